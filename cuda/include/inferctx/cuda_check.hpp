@@ -1,0 +1,42 @@
+// Status checks for every CUDA runtime and cuBLAS call: failures become CudaError /
+// CublasError naming the call, the code and the device.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include "inferctx/errors.hpp"
+
+namespace inferctx {
+
+// Throws CudaError (NoCudaDeviceError when there is no usable device or driver).
+[[noreturn]] void throw_cuda_error(cudaError_t status, const char* call, int device);
+[[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* call, int device);
+const char* cublas_status_name(cublasStatus_t status);
+
+inline void check_cuda(cudaError_t status, const char* call, int device = -1) {
+  if (status != cudaSuccess) throw_cuda_error(status, call, device);
+}
+
+inline void check_cublas(cublasStatus_t status, const char* call, int device = -1) {
+  if (status != CUBLAS_STATUS_SUCCESS) throw_cublas_error(status, call, device);
+}
+
+// Number of devices; throws NoCudaDeviceError when there are none or no driver.
+int device_count();
+// Current device of the calling thread.
+int current_device();
+// Throws ConfigError("device") when `device` is not in [0, device_count()).
+void check_device_ordinal(int device);
+
+struct MemoryInfo {
+  int64_t free_bytes;
+  int64_t total_bytes;
+};
+// cudaMemGetInfo on `device`, read now (never cached).
+MemoryInfo memory_info(int device);
+
+}  // namespace inferctx
+
+#define INFERCTX_CUDA(call, device) ::inferctx::check_cuda((call), #call, (device))
+#define INFERCTX_CUBLAS(call, device) ::inferctx::check_cublas((call), #call, (device))

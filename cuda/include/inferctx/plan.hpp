@@ -1,0 +1,86 @@
+// Workspace planning: pure host arithmetic, usable without a GPU.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace inferctx {
+
+enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2 };
+
+// Bytes per element; throws ConfigError("dtype") for a value outside DType.
+int64_t dtype_size(int dtype);
+const char* dtype_name(int dtype);
+
+enum class Policy : int { Exact = 0, DeepSpeed = 1 };
+
+struct ModelShape {
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t hidden_dim = 0;
+  int64_t num_kv_heads = 0;  // 0 means num_heads
+};
+
+struct PlanRequest {
+  ModelShape shape;
+  int64_t batch_size = 1;
+  int64_t prompt_len = 1;
+  int64_t max_out_tokens = 1;
+  int64_t min_out_tokens = 1;
+  int dtype = static_cast<int>(DType::Float16);
+  int64_t mp_size = 1;
+  int64_t rank = 0;
+  bool external_cache = false;
+  int policy = static_cast<int>(Policy::Exact);
+  int64_t free_bytes = 0;
+  int64_t total_bytes = 0;
+  // Budget knobs of the exact policy; each applies only when its has_ flag is set.
+  bool has_reserve = false;       // default: 500 MiB, or 100 MiB when free <= 1 GiB
+  int64_t reserve_bytes = 0;
+  bool has_memory_limit = false;
+  int64_t memory_limit_bytes = 0;
+  bool has_memory_fraction = false;
+  double memory_fraction = 1.0;   // in (0, 1], a fraction of *free* memory
+};
+
+struct Region {
+  std::string name;
+  int64_t offset = 0;
+  int64_t size = 0;
+};
+
+struct WorkspacePlan {
+  PlanRequest request;
+  int64_t elem_size = 0;
+  int64_t head_dim = 0;        // hidden / heads
+  int64_t head_dim_padded = 0; // 32/64/128 when <= 128, else head_dim
+  int64_t heads_per_rank = 0;
+  int64_t kv_heads_per_rank = 0;  // num_heads / mp under the deepspeed policy
+  int64_t max_tokens = 0;
+  int64_t workspace_bytes = 0;
+  int64_t budget_bytes = 0;
+  int64_t reserve_bytes = 0;
+  std::string budget_limit;  // "reserve", "memory_limit" or "memory_fraction"
+  std::string bound_by;      // "max_out_tokens" or "memory"
+  int64_t activations_offset = 0, activations_bytes = 0;
+  int64_t kv_cache_offset = 0, kv_cache_bytes = 0;
+  int64_t kv_layer_stride = 0;  // bytes from layer l's K to layer l+1's K
+  int64_t kv_value_offset = 0;  // bytes from a layer's K to its V
+  int64_t kv_tensor_bytes = 0;  // bytes of one K (or V) tensor
+  int64_t attention_scores_offset = 0, attention_scores_bytes = 0;
+  std::vector<Region> regions;
+};
+
+inline constexpr int64_t kRegionAlignment = 256;
+inline constexpr int64_t kMiB = int64_t{1} << 20;
+inline constexpr int64_t kGiB = int64_t{1} << 30;
+
+// Validates the request (ConfigError naming the argument) and plans it; a request that
+// cannot fit throws WorkspaceOOMError with the largest batch and max_out_tokens that would.
+WorkspacePlan plan_workspace(const PlanRequest& request);
+
+// Bytes the given policy needs for `tokens` tokens; throws ConfigError on overflow.
+int64_t workspace_bytes_for(const PlanRequest& request, int64_t tokens);
+
+}  // namespace inferctx

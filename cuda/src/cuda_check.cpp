@@ -1,0 +1,109 @@
+#include "inferctx/cuda_check.hpp"
+
+#include <string>
+
+namespace inferctx {
+
+namespace {
+
+bool means_no_device(cudaError_t status) {
+  return status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver ||
+         status == cudaErrorDevicesUnavailable || status == cudaErrorCompatNotSupportedOnDevice ||
+         status == cudaErrorSystemDriverMismatch || status == cudaErrorSystemNotReady;
+}
+
+// Restores the device the caller had current, whatever happens in between.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice", -1);
+    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice", device);
+    switched_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+}  // namespace
+
+void throw_cuda_error(cudaError_t status, const char* call, int device) {
+  const std::string name = cudaGetErrorName(status);
+  const std::string text = cudaGetErrorString(status);
+  // Clear a non-sticky error so that it does not resurface at the next unrelated call.
+  cudaGetLastError();
+  if (means_no_device(status)) {
+    throw NoCudaDeviceError(name + ": " + text + " (in " + call +
+                                "); no usable CUDA device or driver. Planning (plan_workspace, "
+                                "`inferctx plan --free-gb ... --total-gb ...`) works without one.",
+                            call, static_cast<int>(status), name);
+  }
+  std::string where = device >= 0 ? " on device " + std::to_string(device) : "";
+  std::string hint;
+  if (status == cudaErrorMemoryAllocation) hint = "; free memory on the device or plan a smaller workspace";
+  throw CudaError(name + ": " + text + " (in " + call + where + ")" + hint, call, static_cast<int>(status), name,
+                  device);
+}
+
+const char* cublas_status_name(cublasStatus_t status) {
+  switch (status) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+    default: return "CUBLAS_STATUS_UNKNOWN";
+  }
+}
+
+void throw_cublas_error(cublasStatus_t status, const char* call, int device) {
+  const std::string name = cublas_status_name(status);
+  std::string where = device >= 0 ? " on device " + std::to_string(device) : "";
+  throw CublasError(name + " (in " + call + where + ")", call, static_cast<int>(status), name, device);
+}
+
+int device_count() {
+  int n = 0;
+  check_cuda(cudaGetDeviceCount(&n), "cudaGetDeviceCount", -1);
+  if (n <= 0) {
+    throw NoCudaDeviceError("no CUDA device is visible (cudaGetDeviceCount gave 0). Planning works without one.",
+                            "cudaGetDeviceCount", static_cast<int>(cudaErrorNoDevice), "cudaErrorNoDevice");
+  }
+  return n;
+}
+
+int current_device() {
+  device_count();
+  int d = 0;
+  check_cuda(cudaGetDevice(&d), "cudaGetDevice", -1);
+  return d;
+}
+
+void check_device_ordinal(int device) {
+  const int n = device_count();
+  if (device < 0 || device >= n) {
+    throw ConfigError("device", "device: got " + std::to_string(device) + "; valid device ordinals are 0.." +
+                                    std::to_string(n - 1));
+  }
+}
+
+MemoryInfo memory_info(int device) {
+  check_device_ordinal(device);
+  DeviceGuard guard(device);
+  size_t free_b = 0, total_b = 0;
+  check_cuda(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo", device);
+  return {static_cast<int64_t>(free_b), static_cast<int64_t>(total_b)};
+}
+
+}  // namespace inferctx

@@ -1,0 +1,7 @@
+# cython: language_level=3, embedsignature=True, binding=True
+"""inferctx._core: the compiled layer over inferctx_core (planner, context, views, kernels)."""
+
+from inferctx import errors as _errors
+
+include "_errors.pxi"
+include "_planner.pxi"

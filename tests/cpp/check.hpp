@@ -1,0 +1,103 @@
+// A minimal test harness: CHECK records a failure and goes on; main() returns the count.
+// GPU tests call skip_without_gpu() first, which exits 77 (ctest's SKIP_RETURN_CODE).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace check {
+
+inline int& failures() {
+  static int n = 0;
+  return n;
+}
+
+struct Case {
+  const char* name;
+  std::function<void()> body;
+};
+
+inline std::vector<Case>& cases() {
+  static std::vector<Case> c;
+  return c;
+}
+
+struct Register {
+  Register(const char* name, std::function<void()> body) { cases().push_back({name, std::move(body)}); }
+};
+
+inline int run_all() {
+  for (auto& c : cases()) {
+    const int before = failures();
+    try {
+      c.body();
+    } catch (const std::exception& e) {
+      std::printf("  unexpected exception: %s\n", e.what());
+      ++failures();
+    }
+    std::printf("[%s] %s\n", failures() == before ? "PASS" : "FAIL", c.name);
+  }
+  std::printf("%zu cases, %d failed checks\n", cases().size(), failures());
+  return failures() == 0 ? 0 : 1;
+}
+
+inline void skip_without_gpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::printf("SKIP: no CUDA device\n");
+    std::exit(77);
+  }
+}
+
+}  // namespace check
+
+#define CHECK_CONCAT2(a, b) a##b
+#define CHECK_CONCAT(a, b) CHECK_CONCAT2(a, b)
+#define TEST_CASE(name)                                                                    \
+  static void CHECK_CONCAT(test_fn_, __LINE__)();                                          \
+  static ::check::Register CHECK_CONCAT(test_reg_, __LINE__)(name, CHECK_CONCAT(test_fn_, __LINE__)); \
+  static void CHECK_CONCAT(test_fn_, __LINE__)()
+
+#define CHECK(cond)                                                                   \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
+      std::printf("  %s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond);          \
+      ++::check::failures();                                                          \
+    }                                                                                 \
+  } while (0)
+
+#define CHECK_EQ(a, b)                                                                        \
+  do {                                                                                        \
+    auto va_ = (a);                                                                           \
+    auto vb_ = (b);                                                                           \
+    if (!(va_ == vb_)) {                                                                      \
+      std::printf("  %s:%d: CHECK_EQ(%s, %s) failed: %s vs %s\n", __FILE__, __LINE__, #a, #b, \
+                  std::to_string(va_).c_str(), std::to_string(vb_).c_str());                  \
+      ++::check::failures();                                                                  \
+    }                                                                                         \
+  } while (0)
+
+// Checks that `expr` throws exactly type T (or a subclass).
+#define CHECK_THROWS(T, expr)                                                                       \
+  do {                                                                                              \
+    bool caught_ = false;                                                                           \
+    try {                                                                                           \
+      (void)(expr);                                                                                 \
+    } catch (const T&) {                                                                            \
+      caught_ = true;                                                                               \
+    } catch (const std::exception& e) {                                                             \
+      std::printf("  %s:%d: %s threw another type: %s\n", __FILE__, __LINE__, #expr, e.what());     \
+    }                                                                                               \
+    if (!caught_) {                                                                                 \
+      std::printf("  %s:%d: %s did not throw %s\n", __FILE__, __LINE__, #expr, #T);                 \
+      ++::check::failures();                                                                        \
+    }                                                                                               \
+  } while (0)
+
+#define CHECK_MAIN() \
+  int main() { return ::check::run_all(); }

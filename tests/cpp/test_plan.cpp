@@ -1,0 +1,216 @@
+// Planner cases worked out by hand (see the comments for the arithmetic).
+#include <string>
+
+#include "check.hpp"
+#include "inferctx/errors.hpp"
+#include "inferctx/plan.hpp"
+
+using namespace inferctx;
+
+namespace {
+
+// DeepSpeed's own example: 32 layers, 32 heads, hidden 4096, batch 8, fp16, mp 1.
+PlanRequest deepspeed_llama7b(int64_t free_bytes) {
+  PlanRequest r;
+  r.shape = {32, 32, 4096, 0};
+  r.batch_size = 8;
+  r.prompt_len = 1;
+  r.max_out_tokens = 2048;
+  r.min_out_tokens = 1;
+  r.dtype = static_cast<int>(DType::Float16);
+  r.policy = static_cast<int>(Policy::DeepSpeed);
+  r.free_bytes = free_bytes;
+  r.total_bytes = 80 * kGiB;
+  return r;
+}
+
+// 2 layers, 4 heads, hidden 256 (head 64), 2 KV heads, batch 1, max_out 16, fp16.
+// Per token: activations 10*4*64 = 2560 elements = 5120 B; one K (or V) tensor
+// 2*64 elements = 256 B; attention scores 4*16 = 64 elements = 128 B.
+PlanRequest small_exact() {
+  PlanRequest r;
+  r.shape = {2, 4, 256, 2};
+  r.batch_size = 1;
+  r.prompt_len = 1;
+  r.max_out_tokens = 16;
+  r.min_out_tokens = 1;
+  r.dtype = static_cast<int>(DType::Float16);
+  r.policy = static_cast<int>(Policy::Exact);
+  r.free_bytes = 80 * kGiB;
+  r.total_bytes = 80 * kGiB;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("deepspeed policy, 75 GiB free: 2048 tokens, 12,079,595,520 bytes") {
+  // act 327680 + temp 524288 + cache 2097152 = 2949120 elements per token; x 2048 x 2 B.
+  WorkspacePlan p = plan_workspace(deepspeed_llama7b(75 * kGiB));
+  CHECK_EQ(p.max_tokens, 2048);
+  CHECK_EQ(p.workspace_bytes, int64_t{12079595520});
+  CHECK(p.bound_by == "max_out_tokens");
+  // scores start at workspace - temp * tokens * 2 = 12079595520 - 524288*2048*2.
+  CHECK_EQ(p.attention_scores_offset, int64_t{12079595520} - int64_t{524288} * 2048 * 2);
+  CHECK_EQ(p.kv_cache_offset, int64_t{327680} * 2048 * 2);
+  CHECK_EQ(p.kv_cache_bytes, int64_t{2097152} * 2048 * 2);
+}
+
+TEST_CASE("deepspeed policy, 8 GiB free: 1367 tokens") {
+  // minimal = 524288 + 500 MiB = 524812288; (8 GiB - minimal) / 2 / 2949120 = 1367.3
+  WorkspacePlan p = plan_workspace(deepspeed_llama7b(8 * kGiB));
+  CHECK_EQ(p.max_tokens, 1367);
+  CHECK_EQ(p.workspace_bytes, int64_t{2949120} * 1367 * 2);
+  CHECK_EQ(p.attention_scores_offset, int64_t{8062894080} - int64_t{1433403392});
+  CHECK(p.bound_by == "memory");
+  CHECK_EQ(p.budget_bytes, int64_t{8} * kGiB - 524812288);
+}
+
+TEST_CASE("deepspeed policy with external cache leaves the cache out of the bytes only") {
+  PlanRequest r = deepspeed_llama7b(8 * kGiB);
+  r.external_cache = true;
+  WorkspacePlan p = plan_workspace(r);
+  CHECK_EQ(p.max_tokens, 1367);  // the cache term still counts in the token formula
+  CHECK_EQ(p.workspace_bytes, int64_t{327680 + 524288} * 1367 * 2);
+  CHECK_EQ(p.kv_cache_bytes, 0);
+}
+
+TEST_CASE("deepspeed policy: below the minimum is an OOM") {
+  // 100 MiB free (<= 1 GiB): minimal = 524288 + 100 MiB > free.
+  PlanRequest r = deepspeed_llama7b(100 * kMiB);
+  CHECK_THROWS(WorkspaceOOMError, plan_workspace(r));
+}
+
+TEST_CASE("exact policy, bound by max_out_tokens") {
+  // 16 tokens: 81920 + 4 x 4096 + 2048 = 100352 bytes, every region 256-aligned already.
+  WorkspacePlan p = plan_workspace(small_exact());
+  CHECK_EQ(p.max_tokens, 16);
+  CHECK_EQ(p.workspace_bytes, 100352);
+  CHECK(p.bound_by == "max_out_tokens");
+  CHECK_EQ(p.regions.size(), size_t{6});
+  CHECK_EQ(p.budget_bytes, 80 * kGiB - 500 * kMiB);
+}
+
+TEST_CASE("exact policy, bound by memory, aligned regions") {
+  // bytes(T) = 5120T + 4*256T + 256*ceil(T/2); T=7: 44032 <= 50000 < bytes(8) = 50176.
+  PlanRequest r = small_exact();
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  r.has_memory_limit = true;
+  r.memory_limit_bytes = 50000;
+  WorkspacePlan p = plan_workspace(r);
+  CHECK_EQ(p.max_tokens, 7);
+  CHECK_EQ(p.workspace_bytes, 44032);
+  CHECK(p.bound_by == "memory");
+  CHECK(p.budget_limit == "memory_limit");
+  CHECK_EQ(p.regions[0].offset, 0);
+  CHECK_EQ(p.regions[0].size, 35840);
+  CHECK_EQ(p.regions[1].offset, 35840);  // layer 0 K
+  CHECK_EQ(p.regions[2].offset, 37632);  // layer 0 V
+  CHECK_EQ(p.regions[3].offset, 39424);  // layer 1 K
+  CHECK_EQ(p.regions[4].offset, 41216);  // layer 1 V
+  CHECK_EQ(p.regions[5].offset, 43008);  // scores: 896 B rounded to 1024
+  CHECK_EQ(p.regions[5].size, 1024);
+}
+
+TEST_CASE("exact policy, memory_fraction of free memory") {
+  // fraction 0.5 of 100000 free = 50000, below free - reserve (reserve 0).
+  PlanRequest r = small_exact();
+  r.free_bytes = 100000;
+  r.total_bytes = 200000;
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  r.has_memory_fraction = true;
+  r.memory_fraction = 0.5;
+  WorkspacePlan p = plan_workspace(r);
+  CHECK_EQ(p.budget_bytes, 50000);
+  CHECK(p.budget_limit == "memory_fraction");
+  CHECK_EQ(p.max_tokens, 7);
+}
+
+TEST_CASE("exact policy: OOM names the largest batch and max_out_tokens that fit") {
+  // batch 2, 4 tokens needed: 40960 + 8192 + 1024 = 50176 > 50000. batch 1: 25088 fits.
+  // max_out m at batch 2: 49152 + align(64m) <= 50000 up to m = 12 (768); m = 13 needs 1024.
+  PlanRequest r = small_exact();
+  r.batch_size = 2;
+  r.min_out_tokens = 4;
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  r.has_memory_limit = true;
+  r.memory_limit_bytes = 50000;
+  bool caught = false;
+  try {
+    plan_workspace(r);
+  } catch (const WorkspaceOOMError& e) {
+    caught = true;
+    CHECK_EQ(e.requested_bytes, 50176);
+    CHECK_EQ(e.budget_bytes, 50000);
+    CHECK_EQ(e.max_batch_size, 1);
+    CHECK_EQ(e.max_out_tokens, 12);
+  }
+  CHECK(caught);
+}
+
+TEST_CASE("both policies refuse a prompt that does not fit") {
+  PlanRequest r = deepspeed_llama7b(8 * kGiB);  // 1367 tokens fit
+  r.prompt_len = 1500;
+  CHECK_THROWS(WorkspaceOOMError, plan_workspace(r));
+  r.policy = static_cast<int>(Policy::Exact);
+  r.free_bytes = 2 * kGiB;
+  CHECK_THROWS(WorkspaceOOMError, plan_workspace(r));
+}
+
+TEST_CASE("GQA: the exact policy sizes KV with num_kv_heads, deepspeed with num_heads") {
+  PlanRequest r = small_exact();  // 2 KV heads of 4
+  WorkspacePlan exact = plan_workspace(r);
+  CHECK_EQ(exact.kv_tensor_bytes, 16 * 2 * 64 * 2);
+  r.policy = static_cast<int>(Policy::DeepSpeed);
+  WorkspacePlan ds = plan_workspace(r);
+  CHECK_EQ(ds.kv_tensor_bytes, 16 * 4 * 64 * 2);
+}
+
+TEST_CASE("mp_size splits heads: rank plans are identical") {
+  PlanRequest r = small_exact();
+  r.mp_size = 2;
+  r.rank = 0;
+  WorkspacePlan a = plan_workspace(r);
+  r.rank = 1;
+  WorkspacePlan b = plan_workspace(r);
+  CHECK_EQ(a.workspace_bytes, b.workspace_bytes);
+  // per rank: 1 KV head, 2 query heads: K = 16*1*64*2 = 2048 B, scores 16*2*16*2 = 1024 B.
+  CHECK_EQ(a.kv_tensor_bytes, 2048);
+  CHECK_EQ(a.attention_scores_bytes, 1024);
+  CHECK_EQ(a.workspace_bytes, 81920 + 4 * 2048 + 1024);
+}
+
+TEST_CASE("invalid requests throw ConfigError naming the argument") {
+  auto arg_of = [](PlanRequest r) -> std::string {
+    try {
+      plan_workspace(r);
+    } catch (const ConfigError& e) {
+      return e.argument;
+    }
+    return "<no ConfigError>";
+  };
+  PlanRequest r;
+  r = small_exact(); r.shape.num_layers = 0; CHECK(arg_of(r) == "num_layers");
+  r = small_exact(); r.shape.num_heads = -1; CHECK(arg_of(r) == "num_heads");
+  r = small_exact(); r.shape.hidden_dim = 250; CHECK(arg_of(r) == "hidden_dim");
+  r = small_exact(); r.shape.num_kv_heads = 3; CHECK(arg_of(r) == "num_kv_heads");
+  r = small_exact(); r.batch_size = 0; CHECK(arg_of(r) == "batch_size");
+  r = small_exact(); r.mp_size = 4; CHECK(arg_of(r) == "mp_size");  // 2 KV heads
+  r = small_exact(); r.mp_size = 3; CHECK(arg_of(r) == "mp_size");  // 4 heads
+  r = small_exact(); r.mp_size = 2; r.rank = 2; CHECK(arg_of(r) == "rank");
+  r = small_exact(); r.min_out_tokens = 17; CHECK(arg_of(r) == "min_out_tokens");
+  r = small_exact(); r.prompt_len = 17; CHECK(arg_of(r) == "prompt_len");
+  r = small_exact(); r.dtype = 7; CHECK(arg_of(r) == "dtype");
+  r = small_exact(); r.policy = 5; CHECK(arg_of(r) == "policy");
+  r = small_exact(); r.free_bytes = -1; CHECK(arg_of(r) == "free_bytes");
+  r = small_exact(); r.free_bytes = r.total_bytes + 1; CHECK(arg_of(r) == "free_bytes");
+  r = small_exact(); r.has_memory_fraction = true; r.memory_fraction = 0.0; CHECK(arg_of(r) == "memory_fraction");
+  r = small_exact(); r.has_memory_fraction = true; r.memory_fraction = 1.5; CHECK(arg_of(r) == "memory_fraction");
+  r = small_exact(); r.has_memory_limit = true; r.memory_limit_bytes = 0; CHECK(arg_of(r) == "memory_limit_bytes");
+  r = small_exact(); r.batch_size = int64_t{1} << 40; r.max_out_tokens = int64_t{1} << 40;
+  CHECK(arg_of(r) == "batch_size");  // 64-bit overflow
+}
+
+CHECK_MAIN()
