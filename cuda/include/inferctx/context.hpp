@@ -1,0 +1,98 @@
+// InferenceContext: one per device; owns the workspace, the cuBLAS handle, the compute and
+// comm streams, the token counter and the Philox state.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "inferctx/blas.hpp"
+#include "inferctx/memory.hpp"
+#include "inferctx/philox.hpp"
+#include "inferctx/plan.hpp"
+#include "inferctx/stream.hpp"
+
+namespace inferctx {
+
+class InferenceContext {
+ public:
+  // The context of `device` (-1: the calling thread's current device), created on first use;
+  // thread-safe. ConfigError("device") for an ordinal outside [0, count), NoCudaDeviceError
+  // without a device.
+  static std::shared_ptr<InferenceContext> instance(int device = -1);
+
+  ~InferenceContext();
+  InferenceContext(const InferenceContext&) = delete;
+  InferenceContext& operator=(const InferenceContext&) = delete;
+
+  int device() const noexcept { return device_; }
+  int multiprocessor_count() const noexcept { return sm_count_; }
+  int compute_capability() const noexcept { return cc_major_ * 10 + cc_minor_; }
+
+  // Plans `request` against free memory read now (request.free_bytes/total_bytes are
+  // replaced by the measurement; memory this context's workspace holds counts as free when
+  // nothing else uses it) and makes the allocation fit: reused when it is large enough,
+  // otherwise a new one is allocated before the old is freed; when both cannot coexist and
+  // no views are alive the old one is freed first, and on failure an allocation of the
+  // previous plan is restored. On any failure the previous plan stays in force.
+  WorkspacePlan gen_workspace(const PlanRequest& request);
+
+  bool has_plan() const;
+  WorkspacePlan plan() const;                              // WorkspaceStateError when none
+  std::shared_ptr<DeviceAllocation> workspace() const;     // WorkspaceStateError: none / released
+  int64_t workspace_bytes() const;                         // bytes of the plan, 0 when none
+  int64_t max_token_length() const;                        // plan's max_tokens, 0 when none
+  bool released() const;
+  // Other owners of the workspace allocation (views exported from it).
+  int64_t views_alive() const;
+
+  // Frees the workspace, keeping the plan. With views alive: WorkspaceInUseError, or with
+  // `force` the context forgets the allocation and the last view frees it.
+  void release_workspace(bool force);
+  // Re-allocates the released workspace for the kept plan; true when the context holds a
+  // workspace afterwards, false when the allocation failed (out of memory).
+  bool retake_workspace();
+
+  // Generated-token counter (DeepSpeed's current_tokens / advance_tokens / reset_tokens).
+  int64_t current_tokens() const noexcept { return tokens_.load(std::memory_order_relaxed); }
+  // TokenLimitError if current + n would pass max_token_length; ConfigError for n < 1.
+  void advance_tokens(int64_t n = 1);
+  void reset_tokens(int64_t initial = 1);  // ConfigError outside [0, max_token_length]
+
+  // Streams. The compute stream is owned by the context unless use_stream() adopted one.
+  cudaStream_t stream() const;
+  cudaStream_t comm_stream() const;
+  void use_stream(cudaStream_t external);  // nullptr: back to the context's own stream
+  void sync_comp();  // the comm stream waits for work queued so far on the compute stream
+  void sync_comm();  // the compute stream waits for work queued so far on the comm stream
+
+  std::pair<uint64_t, uint64_t> increment_offset(uint64_t increment) { return philox_.increment_offset(increment); }
+  void set_seed(uint64_t seed) { philox_.set_seed(seed); }
+  const PhiloxState& philox() const noexcept { return philox_; }
+
+  CublasHandle& cublas() noexcept { return *cublas_; }
+
+ private:
+  explicit InferenceContext(int device);
+
+  int device_;
+  int sm_count_ = 0;
+  int cc_major_ = 0, cc_minor_ = 0;
+  mutable std::mutex mutex_;  // guards the workspace, the plan and the streams
+  std::unique_ptr<CublasHandle> cublas_;
+  Stream own_stream_, comm_stream_;
+  cudaStream_t compute_ = nullptr;  // own_stream_ or an adopted external stream
+  std::unique_ptr<Event> comp_done_, comm_done_;
+  bool has_plan_ = false;
+  WorkspacePlan plan_;
+  std::shared_ptr<DeviceAllocation> workspace_;
+  bool released_ = false;
+  std::atomic<int64_t> tokens_{0};
+  PhiloxState philox_;
+};
+
+}  // namespace inferctx
