@@ -27,10 +27,10 @@ cdef PlanRequest make_request(dict f) except *:
 
 
 cdef dict plan_to_dict(const WorkspacePlan& p):
-    cdef Region region
+    cdef size_t i
     regions = []
-    for region in p.regions:
-        regions.append((region.name.decode(), region.offset, region.size))
+    for i in range(p.regions.size()):
+        regions.append((p.regions[i].name.decode(), p.regions[i].offset, p.regions[i].size))
     return {
         "max_tokens": p.max_tokens,
         "workspace_bytes": p.workspace_bytes,

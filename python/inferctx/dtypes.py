@@ -1,0 +1,53 @@
+"""Dtype coercion: strings, NumPy dtypes and torch dtypes (torch is never imported)."""
+
+from __future__ import annotations
+
+from .errors import ConfigError
+
+# Codes of inferctx::DType (cuda/include/inferctx/plan.hpp).
+FLOAT32, FLOAT16, BFLOAT16 = 0, 1, 2
+
+NAMES = {FLOAT32: "float32", FLOAT16: "float16", BFLOAT16: "bfloat16"}
+ITEMSIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2}
+
+_ALIASES = {
+    "float32": FLOAT32, "fp32": FLOAT32, "f32": FLOAT32, "float": FLOAT32, "single": FLOAT32,
+    "float16": FLOAT16, "fp16": FLOAT16, "f16": FLOAT16, "half": FLOAT16,
+    "bfloat16": BFLOAT16, "bf16": BFLOAT16,
+}
+
+VALID = "'float32' ('fp32'), 'float16' ('fp16', 'half') or 'bfloat16' ('bf16')"
+
+
+def _name_of(dtype) -> str | None:
+    if isinstance(dtype, str):
+        return dtype
+    module = type(dtype).__module__ or ""
+    if module.startswith("torch"):  # torch.float16 prints as 'torch.float16'
+        return str(dtype).rpartition(".")[2]
+    name = getattr(dtype, "name", None)  # numpy.dtype, ml_dtypes
+    if isinstance(name, str):
+        return name
+    if isinstance(dtype, type):  # numpy scalar types such as numpy.float16
+        try:
+            import numpy as np
+
+            return np.dtype(dtype).name
+        except TypeError:
+            return None
+    return None
+
+
+def dtype_code(dtype, argument: str = "dtype") -> int:
+    """The inferctx dtype code of a string, NumPy dtype or torch dtype."""
+    name = _name_of(dtype)
+    code = _ALIASES.get(name.strip().lower()) if name is not None else None
+    if code is None:
+        raise ConfigError(f"{argument}: got {dtype!r}; valid: {VALID}, or the NumPy/torch "
+                          f"dtype of one of them", argument=argument)
+    return code
+
+
+def dtype_name(dtype, argument: str = "dtype") -> str:
+    """The canonical name ('float32', 'float16', 'bfloat16') of a dtype."""
+    return NAMES[dtype_code(dtype, argument)]

@@ -1,0 +1,29 @@
+"""Shared fixtures: the `gpu` marker skips, visibly, where no CUDA device is usable."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_available() -> tuple[bool, str]:
+    from inferctx import _core
+    from inferctx.errors import NoCudaDeviceError
+
+    try:
+        n = _core._device_count()
+    except NoCudaDeviceError as exc:
+        return False, f"no CUDA device: {exc.name}"
+    return n > 0, f"{n} CUDA device(s)"
+
+
+def pytest_collection_modifyitems(config, items):
+    ok, why = gpu_available()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU ({why})")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
