@@ -1,0 +1,64 @@
+"""The error hierarchy: base classes, fields, pickling, and the C++ translation."""
+
+import pickle
+
+import pytest
+
+from inferctx import errors
+
+CASES = [
+    (errors.ConfigError, dict(argument="batch_size"), (ValueError,)),
+    (errors.WorkspaceOOMError, dict(requested_bytes=10, free_bytes=5, total_bytes=8, budget_bytes=4,
+                                    max_batch_size=None, max_out_tokens=3), (MemoryError,)),
+    (errors.TokenLimitError, dict(current=5, requested=1, limit=5), (IndexError,)),
+    (errors.WorkspaceStateError, {}, (RuntimeError,)),
+    (errors.WorkspaceInUseError, dict(views_alive=2), (errors.WorkspaceStateError,)),
+    (errors.CudaError, dict(call="cudaMalloc", code=2, name="cudaErrorMemoryAllocation", device=0),
+     (RuntimeError,)),
+    (errors.CublasError, dict(call="cublasGemmEx", code=7, name="CUBLAS_STATUS_INVALID_VALUE", device=0),
+     (errors.CudaError,)),
+    (errors.NoCudaDeviceError, dict(call="cudaGetDeviceCount", code=100, name="cudaErrorNoDevice",
+                                    device=None), (errors.CudaError,)),
+]
+
+
+@pytest.mark.parametrize("cls,fields,bases", CASES)
+def test_hierarchy_and_pickle(cls, fields, bases):
+    e = cls("what is wrong", **fields)
+    assert isinstance(e, errors.InferCtxError)
+    for b in bases:
+        assert isinstance(e, b)
+    clone = pickle.loads(pickle.dumps(e))
+    assert type(clone) is cls and str(clone) == "what is wrong"
+    for k, v in fields.items():
+        assert getattr(clone, k) == v
+
+
+def test_unknown_field_is_a_type_error():
+    with pytest.raises(TypeError):
+        errors.ConfigError("x", colour="red")
+
+
+def test_cpp_config_error_translated_with_argument():
+    from inferctx import _core
+
+    from inferctx.planning import _request_fields
+
+    fields = _request_fields("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=4,
+                             free_bytes=1 << 30, total_bytes=1 << 30)
+    fields["num_heads"] = 0
+    with pytest.raises(errors.ConfigError) as info:
+        _core._plan(fields)
+    assert info.value.argument == "num_heads" and "got 0" in str(info.value)
+
+
+def test_no_device_error_without_gpu():
+    from conftest import gpu_available
+
+    from inferctx import _core
+
+    if gpu_available()[0]:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(errors.NoCudaDeviceError) as info:
+        _core._device_count()
+    assert "Planning" in str(info.value) and info.value.name

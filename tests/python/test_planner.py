@@ -1,0 +1,284 @@
+"""The Python planner: byte counts worked out by hand, coercion, errors, properties."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import inferctx
+from inferctx import ConfigError, ModelShape, NoCudaDeviceError, WorkspaceOOMError, plan_workspace
+from inferctx.planning import _request_fields
+
+GIB = 1 << 30
+MIB = 1 << 20
+H100 = dict(free_bytes=81559 * MIB, total_bytes=81559 * MIB)
+
+
+def test_llama2_7b_on_h100_by_hand():
+    p = plan_workspace("llama-2-7b", batch_size=8, prompt_len=1, max_out_tokens=4096, **H100)
+    # activations 10*32*128*8 elements per token, fp16, 4096 tokens
+    assert p.activations_bytes == 10 * 32 * 128 * 8 * 4096 * 2 == 2_684_354_560
+    # one K tensor: [8, 32, 4096, 128] fp16
+    assert p.kv_tensor_bytes == 8 * 32 * 4096 * 128 * 2 == 268_435_456
+    # scores: batch * heads * max_out_tokens per token
+    assert p.attention_scores_bytes == 8 * 32 * 4096 * 4096 * 2
+    assert p.workspace_bytes == 2_684_354_560 + 64 * 268_435_456 + 8_589_934_592 == 28_454_158_336
+    assert p.max_tokens == 4096 and p.bound_by == "max_out_tokens"
+    assert p.budget_bytes == 81559 * MIB - 500 * MIB and p.budget_limit == "reserve"
+    assert p.kv_shape == (8, 32, 4096, 128)
+    assert len(p.regions) == 1 + 64 + 1
+
+
+def test_deepspeed_policy_matches_deepspeed_example():
+    shape = ModelShape(32, 32, 4096)
+    kw = dict(batch_size=8, prompt_len=1, max_out_tokens=2048, policy="deepspeed", total_bytes=80 * GIB)
+    p = plan_workspace(shape, free_bytes=75 * GIB, **kw)
+    assert (p.max_tokens, p.workspace_bytes) == (2048, 12_079_595_520)
+    assert plan_workspace(shape, free_bytes=8 * GIB, **kw).max_tokens == 1367
+
+
+def test_gqa_exact_vs_deepspeed():
+    # Llama-3-70B: 8 KV heads of 64; the exact policy's cache is 8x smaller per token.
+    kw = dict(batch_size=4, prompt_len=128, max_out_tokens=8192, free_bytes=141 * GIB, total_bytes=141 * GIB)
+    exact = plan_workspace("llama-3-70b", **kw)
+    ds = plan_workspace("llama-3-70b", policy="deepspeed", **kw)
+    assert exact.kv_tensor_bytes == 4 * 8 * exact.max_tokens * 128 * 2
+    assert ds.kv_tensor_bytes == 4 * 64 * ds.max_tokens * 128 * 2
+    assert exact.max_tokens >= ds.max_tokens
+
+
+def test_mqa_falcon_head_padding():
+    p = plan_workspace("falcon-7b", batch_size=1, prompt_len=1, max_out_tokens=2048, **H100)
+    assert p.head_dim == 64 and p.head_dim_padded == 64 and p.kv_heads_per_rank == 1
+    assert p.kv_tensor_bytes == 1 * 1 * 2048 * 64 * 2
+
+
+def test_phi3_head_96_pads_to_128():
+    p = plan_workspace("phi-3-mini", batch_size=1, prompt_len=1, max_out_tokens=1024, **H100)
+    assert (p.head_dim, p.head_dim_padded) == (96, 128)
+
+
+def test_mp_plan_identical_on_every_rank():
+    kw = dict(batch_size=2, prompt_len=64, max_out_tokens=4096, mp_size=2, **H100)
+    plans = [plan_workspace("llama-2-13b", rank=r, **kw) for r in range(2)]
+    assert plans[0].workspace_bytes == plans[1].workspace_bytes
+    # 40 heads / 2 ranks: K = [2, 20, 4096, 128] fp16
+    assert plans[0].kv_tensor_bytes == 2 * 20 * 4096 * 128 * 2
+    assert plans[0].attention_scores_bytes == 2 * 20 * 4096 * 4096 * 2
+
+
+def test_memory_bound_plan_is_maximal():
+    kw = dict(batch_size=64, prompt_len=1, max_out_tokens=32768, free_bytes=24 * GIB, total_bytes=24 * GIB)
+    p = plan_workspace("llama-2-7b", **kw)
+    assert p.bound_by == "memory"
+    fields = _request_fields("llama-2-7b", **kw)
+    from inferctx import _core
+
+    assert _core._workspace_bytes_for(fields, p.max_tokens) == p.workspace_bytes <= p.budget_bytes
+    assert _core._workspace_bytes_for(fields, p.max_tokens + 1) > p.budget_bytes
+
+
+def test_oom_states_figures_and_what_fits():
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("llama-2-70b", batch_size=64, prompt_len=4096, max_out_tokens=8192,
+                       free_bytes=80 * GIB, total_bytes=80 * GIB)
+    e = info.value
+    assert e.free_bytes == 80 * GIB and e.budget_bytes == 80 * GIB - 500 * MIB
+    assert e.requested_bytes > e.budget_bytes
+    assert e.max_batch_size is not None and 1 <= e.max_batch_size < 64
+    msg = str(e)
+    assert "prompt_len=4096" in msg and "budget" in msg and f"batch_size <= {e.max_batch_size}" in msg
+    # the suggestion really fits, one more does not
+    ok = dict(prompt_len=4096, max_out_tokens=8192, free_bytes=80 * GIB, total_bytes=80 * GIB)
+    plan_workspace("llama-2-70b", batch_size=e.max_batch_size, **ok)
+    with pytest.raises(WorkspaceOOMError):
+        plan_workspace("llama-2-70b", batch_size=e.max_batch_size + 1, **ok)
+    clone = pickle.loads(pickle.dumps(e))
+    assert type(clone) is WorkspaceOOMError and clone.max_batch_size == e.max_batch_size
+    assert str(clone) == msg
+
+
+def test_oom_max_out_tokens_suggestion_fits():
+    kw = dict(batch_size=1, prompt_len=100, min_out_tokens=100, free_bytes=3 * GIB, total_bytes=3 * GIB)
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("llama-2-7b", max_out_tokens=1_000_000, **kw)
+    m = info.value.max_out_tokens
+    assert m is not None and 100 <= m < 1_000_000
+    plan_workspace("llama-2-7b", max_out_tokens=m, **kw)
+    with pytest.raises(WorkspaceOOMError):
+        plan_workspace("llama-2-7b", max_out_tokens=m + 1, **kw)
+
+
+BASE = dict(batch_size=1, prompt_len=1, max_out_tokens=128, free_bytes=8 * GIB, total_bytes=8 * GIB)
+
+
+@pytest.mark.parametrize("override,argument", [
+    (dict(batch_size=0), "batch_size"),
+    (dict(batch_size=-3), "batch_size"),
+    (dict(prompt_len=0), "prompt_len"),
+    (dict(max_out_tokens=0), "max_out_tokens"),
+    (dict(min_out_tokens=0), "min_out_tokens"),
+    (dict(min_out_tokens=129), "min_out_tokens"),
+    (dict(prompt_len=129), "prompt_len"),
+    (dict(mp_size=0), "mp_size"),
+    (dict(mp_size=3), "mp_size"),
+    (dict(rank=1), "rank"),
+    (dict(mp_size=2, rank=-1), "rank"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(dtype="float64"), "dtype"),
+    (dict(policy="greedy"), "policy"),
+    (dict(free_bytes=-1), "free_bytes"),
+    (dict(free_bytes=9 * GIB), "free_bytes"),
+    (dict(total_bytes=0, free_bytes=0), "total_bytes"),
+    (dict(memory_fraction=0.0), "memory_fraction"),
+    (dict(memory_fraction=1.01), "memory_fraction"),
+    (dict(memory_fraction=float("nan")), "memory_fraction"),
+    (dict(memory_limit_bytes=0), "memory_limit_bytes"),
+    (dict(reserve_bytes=-5), "reserve_bytes"),
+    (dict(batch_size=2.5), "batch_size"),
+    (dict(batch_size=True), "batch_size"),
+    (dict(external_cache=1), "external_cache"),
+    (dict(batch_size=1 << 40, max_out_tokens=1 << 40), "batch_size"),
+])
+def test_invalid_requests_name_the_argument(override, argument):
+    kw = {**BASE, **override}
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-2-7b", **kw)
+    assert info.value.argument == argument
+    assert argument in str(info.value)
+
+
+@pytest.mark.parametrize("shape,argument", [
+    (lambda: ModelShape(0, 32, 4096), "num_layers"),
+    (lambda: ModelShape(32, -1, 4096), "num_heads"),
+    (lambda: ModelShape(32, 32, 0), "hidden_dim"),
+    (lambda: ModelShape(32, 32, 4096, 0), "num_kv_heads"),
+    (lambda: ModelShape(32, 32, 4096.0), "hidden_dim"),
+])
+def test_invalid_shapes(shape, argument):
+    with pytest.raises(ConfigError) as info:
+        shape()
+    assert info.value.argument == argument
+
+
+@pytest.mark.parametrize("shape,argument", [
+    (ModelShape(32, 32, 4100), "hidden_dim"),       # 4100 / 32 is not whole
+    (ModelShape(32, 32, 4096, 5), "num_kv_heads"),  # 32 % 5
+])
+def test_divisibility_errors_come_from_the_planner(shape, argument):
+    with pytest.raises(ConfigError) as info:
+        plan_workspace(shape, **BASE)
+    assert info.value.argument == argument
+
+
+def test_kv_heads_not_divisible_by_mp():
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("falcon-7b", **{**BASE, "mp_size": 71})  # 71 heads divide, 1 KV head does not
+    assert info.value.argument == "mp_size" and "num_kv_heads=1" in str(info.value)
+
+
+def test_deepspeed_policy_refuses_exact_only_knobs():
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-2-7b", policy="deepspeed", reserve_bytes=0, **BASE)
+    assert info.value.argument == "reserve_bytes"
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-9-1t", **BASE)
+    assert "llama-2-7b" in str(info.value) and info.value.argument == "preset"
+
+
+def test_dtypes_accept_strings_numpy_and_torch_like():
+    np = pytest.importorskip("numpy")
+
+    class FakeTorchDtype:  # what torch.bfloat16 looks like, without importing torch
+        __module__ = "torch"
+
+        def __str__(self):
+            return "torch.bfloat16"
+
+    FakeTorchDtype.__module__ = "torch"
+    sizes = {}
+    for d in ("fp16", "float16", "half", np.float16, np.dtype("float16"), "bf16", "BFloat16",
+              FakeTorchDtype(), "fp32", np.float32):
+        sizes[repr(d)] = plan_workspace("llama-2-7b", dtype=d, **BASE).elem_size
+    assert set(sizes.values()) == {2, 4}
+    assert plan_workspace("llama-2-7b", dtype=FakeTorchDtype(), **BASE).dtype == "bfloat16"
+
+
+def test_to_dict_and_str():
+    p = plan_workspace("mistral-7b", batch_size=2, prompt_len=10, max_out_tokens=1024, **H100)
+    d = p.to_dict()
+    assert d["plan"]["max_tokens"] == 1024 and d["request"]["dtype"] == "float16"
+    assert d["request"]["num_kv_heads"] == 8
+    assert d["plan"]["regions"][0] == {"name": "activations", "offset": 0, "size": p.activations_bytes}
+    text = str(p)
+    assert "max tokens 1024" in text and "bound by max_out_tokens" in text and "kv_cache" in text
+
+
+def test_external_cache_has_no_kv_regions():
+    p = plan_workspace("llama-2-7b", external_cache=True, **BASE)
+    assert p.kv_cache_bytes == 0 and [r.name for r in p.regions] == ["activations", "attention_scores"]
+
+
+def test_no_gpu_planning_needs_memory_figures(monkeypatch):
+    from conftest import gpu_available
+
+    if gpu_available()[0]:
+        pytest.skip("this machine has a GPU: memory is read from it")
+    with pytest.raises(NoCudaDeviceError) as info:
+        plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16)
+    assert "free_bytes" in str(info.value) and "without a GPU" in str(info.value)
+
+
+@pytest.mark.gpu
+def test_memory_read_from_device():
+    p = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=64)
+    assert 0 < p.free_bytes <= p.total_bytes
+
+
+# --- property: any accepted exact plan is aligned, disjoint, inside, within budget, maximal --
+
+shapes = st.builds(
+    lambda layers, kv, group, head, mp: ModelShape(layers, kv * group * mp, kv * group * mp * head, kv * mp),
+    st.integers(1, 8), st.integers(1, 4), st.integers(1, 4), st.sampled_from([24, 32, 48, 64, 80, 128, 160]),
+    st.sampled_from([1, 2]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=shapes, batch=st.integers(1, 8), max_out=st.integers(1, 3000), dtype=st.sampled_from(["fp16", "fp32"]),
+       free=st.integers(600 * MIB, 4 * GIB), fraction=st.one_of(st.none(), st.floats(0.05, 1.0)),
+       external=st.booleans())
+def test_exact_plans_are_sound_and_maximal(shape, batch, max_out, dtype, free, fraction, external):
+    mp = 2 if shape.num_kv_heads % 2 == 0 and shape.num_heads % 2 == 0 else 1
+    kw = dict(batch_size=batch, prompt_len=1, max_out_tokens=max_out, dtype=dtype, mp_size=mp,
+              external_cache=external, free_bytes=free, total_bytes=4 * GIB, memory_fraction=fraction)
+    try:
+        p = plan_workspace(shape, **kw)
+    except WorkspaceOOMError:
+        return
+    spans = sorted((r.offset, r.offset + r.size) for r in p.regions)
+    for start, end in spans:
+        assert start % 256 == 0 and end - start >= 0 and (end - start) % 256 == 0
+        assert end <= p.workspace_bytes
+    for (_, e1), (s2, _) in zip(spans, spans[1:]):
+        assert e1 <= s2
+    assert p.workspace_bytes <= p.budget_bytes
+    if p.bound_by != "max_out_tokens":
+        from inferctx import _core
+
+        fields = _request_fields(shape, **kw)
+        assert _core._workspace_bytes_for(fields, p.max_tokens + 1) > p.budget_bytes
+    else:
+        assert p.max_tokens == max_out
+
+
+def test_version_and_exports():
+    assert inferctx.__version__
+    for name in ("ModelShape", "plan_workspace", "WorkspacePlan", "ConfigError", "WorkspaceOOMError"):
+        assert hasattr(inferctx, name)
