@@ -2,7 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sstream>
+#include <cstdio>
+#include <cstdlib>
 
 #include "inferctx/errors.hpp"
 
@@ -25,19 +26,18 @@ int64_t add(int64_t a, int64_t b) {
 }
 int64_t align_up(int64_t x) { return mul((add(x, kRegionAlignment - 1)) / kRegionAlignment, kRegionAlignment); }
 
+// snprintf rather than iostreams: the library formats no locale-dependent text.
+std::string format_double(const char* fmt, double value) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, fmt, value);
+  return buf;
+}
+
 std::string human_bytes(int64_t bytes) {
-  std::ostringstream os;
-  os.setf(std::ios::fixed);
-  os.precision(2);
-  double b = static_cast<double>(bytes);
-  if (std::llabs(bytes) >= kGiB) {
-    os << b / static_cast<double>(kGiB) << " GiB";
-  } else if (std::llabs(bytes) >= kMiB) {
-    os << b / static_cast<double>(kMiB) << " MiB";
-  } else {
-    os << bytes << " B";
-  }
-  return os.str();
+  const double b = static_cast<double>(bytes);
+  if (std::llabs(bytes) >= kGiB) return format_double("%.2f GiB", b / static_cast<double>(kGiB));
+  if (std::llabs(bytes) >= kMiB) return format_double("%.2f MiB", b / static_cast<double>(kMiB));
+  return std::to_string(bytes) + " B";
 }
 
 [[noreturn]] void invalid(const char* argument, const std::string& detail) {
@@ -109,9 +109,8 @@ void validate(const PlanRequest& r) {
   if (r.has_memory_fraction) {
     if (deepspeed) invalid("memory_fraction", "applies to the exact policy only");
     if (!(r.memory_fraction > 0.0 && r.memory_fraction <= 1.0)) {
-      std::ostringstream os;
-      os << "got " << r.memory_fraction << "; it must be in (0, 1] (a fraction of free memory)";
-      invalid("memory_fraction", os.str());
+      invalid("memory_fraction",
+              format_double("got %g", r.memory_fraction) + "; it must be in (0, 1] (a fraction of free memory)");
     }
   }
 }
@@ -352,20 +351,20 @@ WorkspacePlan plan_workspace(const PlanRequest& request) {
   const int64_t batch_hint = best_batch >= 1 ? best_batch : -1;
   const int64_t out_hint = best_out >= need ? best_out : -1;
 
-  std::ostringstream os;
-  os << "workspace does not fit: " << a.why << "; needs " << human_bytes(a.requested) << " for " << need
-     << " tokens, free " << human_bytes(request.free_bytes) << " of " << human_bytes(request.total_bytes)
-     << ", budget " << human_bytes(a.plan.budget_bytes) << " (" << a.plan.budget_limit << ")";
+  std::string msg = "workspace does not fit: " + a.why + "; needs " + human_bytes(a.requested) + " for " +
+                    std::to_string(need) + " tokens, free " + human_bytes(request.free_bytes) + " of " +
+                    human_bytes(request.total_bytes) + ", budget " + human_bytes(a.plan.budget_bytes) + " (" +
+                    a.plan.budget_limit + ")";
   if (batch_hint > 0 || out_hint > 0) {
-    os << "; would fit:";
-    if (batch_hint > 0) os << " batch_size <= " << batch_hint;
-    if (batch_hint > 0 && out_hint > 0) os << " or";
-    if (out_hint > 0) os << " max_out_tokens <= " << out_hint;
+    msg += "; would fit:";
+    if (batch_hint > 0) msg += " batch_size <= " + std::to_string(batch_hint);
+    if (batch_hint > 0 && out_hint > 0) msg += " or";
+    if (out_hint > 0) msg += " max_out_tokens <= " + std::to_string(out_hint);
   } else {
-    os << "; no smaller batch_size or max_out_tokens fits: free memory, use a smaller dtype, mp_size or "
-          "external_cache";
+    msg += "; no smaller batch_size or max_out_tokens fits: free memory, use a smaller dtype, mp_size or "
+           "external_cache";
   }
-  throw WorkspaceOOMError(os.str(), a.requested, request.free_bytes, request.total_bytes, a.plan.budget_bytes,
+  throw WorkspaceOOMError(msg, a.requested, request.free_bytes, request.total_bytes, a.plan.budget_bytes,
                           batch_hint, out_hint);
 }
 

@@ -20,7 +20,7 @@ def preload() -> None:
         paths = [os.path.join(directory, name) for name in _LIBS]
         if all(os.path.exists(p) for p in paths):
             for p in paths:
-                ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL)
+                ctypes.CDLL(p)  # RTLD_LOCAL: its symbols must not interpose on others
             return
     # Otherwise the RPATH or the system's loader path must provide them; the import of
     # the extension then says which library is missing.
