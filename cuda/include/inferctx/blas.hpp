@@ -26,7 +26,8 @@ class CublasHandle {
   int64_t workspace_bytes() const noexcept { return workspace_->size(); }
   int device() const noexcept { return device_; }
 
-  void set_stream(cudaStream_t stream);  // cublasSetStream, checked
+  void set_stream(cudaStream_t stream);  // cublasSetStream, checked; nullptr refused (stream.hpp)
+  cudaStream_t stream() const noexcept { return stream_; }
   // TF32 tensor-op math for fp32 GEMMs (CUBLAS_TF32_TENSOR_OP_MATH) when true, default otherwise.
   void set_tf32(bool enabled);
   bool tf32() const noexcept { return tf32_; }
@@ -37,9 +38,13 @@ class CublasHandle {
   cublasLtHandle_t lt_ = nullptr;
   std::unique_ptr<DeviceAllocation> workspace_;
   bool tf32_ = false;
+  cudaStream_t stream_ = nullptr;  // nullptr until set_stream (cuBLAS then uses the legacy stream)
+
+  void destroy_handles() noexcept;
 };
 
-// Workspace size for a device of compute capability major.minor (32 MiB from sm_90 on).
+// Workspace size for a device of compute capability major.minor (32 MiB from sm_90 on, 4 MiB
+// before: cuBLAS's recommendation). ConfigError("cc_major") for cc_major < 1.
 int64_t cublas_workspace_bytes(int cc_major);
 
 }  // namespace inferctx

@@ -51,13 +51,18 @@ class InferenceContext {
   int64_t views_alive() const;
 
   // Frees the workspace, keeping the plan. With views alive: WorkspaceInUseError, or with
-  // `force` the context forgets the allocation and the last view frees it.
+  // `force` the context forgets the allocation and the last view frees it. Does nothing when
+  // no workspace is held (none planned yet, or already released).
   void release_workspace(bool force);
   // Re-allocates the released workspace for the kept plan; true when the context holds a
-  // workspace afterwards, false when the allocation failed (out of memory).
+  // workspace afterwards, false when the allocation failed (out of memory). Other CUDA errors
+  // throw; WorkspaceStateError when nothing was ever planned.
   bool retake_workspace();
 
   // Generated-token counter (DeepSpeed's current_tokens / advance_tokens / reset_tokens).
+  // Lock-free and free of CUDA calls: it sits in the decode loop. Without a plan
+  // max_token_length is 0, so advance_tokens always throws (saying to call gen_workspace) and
+  // reset_tokens accepts only 0. A new plan leaves the counter as it is (as DeepSpeed does).
   int64_t current_tokens() const noexcept { return tokens_.load(std::memory_order_relaxed); }
   // TokenLimitError if current + n would pass max_token_length; ConfigError for n < 1.
   void advance_tokens(int64_t n = 1);
@@ -66,7 +71,10 @@ class InferenceContext {
   // Streams. The compute stream is owned by the context unless use_stream() adopted one.
   cudaStream_t stream() const;
   cudaStream_t comm_stream() const;
-  void use_stream(cudaStream_t external);  // nullptr: back to the context's own stream
+  // nullptr: back to the context's own stream. The cuBLAS handle follows. The legacy default
+  // stream is adopted only when asked for by name (cudaStreamLegacy); ConfigError("stream") for
+  // a stream of another device.
+  void use_stream(cudaStream_t external);
   void sync_comp();  // the comm stream waits for work queued so far on the compute stream
   void sync_comm();  // the compute stream waits for work queued so far on the comm stream
 
@@ -92,7 +100,11 @@ class InferenceContext {
   std::shared_ptr<DeviceAllocation> workspace_;
   bool released_ = false;
   std::atomic<int64_t> tokens_{0};
+  // The plan's max_tokens, readable without the mutex by the token counter.
+  std::atomic<int64_t> token_limit_{0};
   PhiloxState philox_;
+
+  int64_t views_alive_locked() const;
 };
 
 }  // namespace inferctx

@@ -13,7 +13,8 @@ class PhiloxState {
 
   // Returns (seed, offset) to use now and advances the offset by `increment` rounded up to a
   // multiple of 4 (one Philox counter yields 4 values). Thread-safe: concurrent callers get
-  // disjoint ranges. ConfigError("increment") if the offset would pass 2^64.
+  // disjoint ranges. ConfigError("increment") if the offset would pass 2^64 - 1 (the state is
+  // then unchanged). An increment of 0 returns the current offset without advancing it.
   std::pair<uint64_t, uint64_t> increment_offset(uint64_t increment);
   // Sets the seed and resets the offset to 0.
   void set_seed(uint64_t seed);

@@ -3,13 +3,38 @@
 
 #include <cuda_runtime_api.h>
 
+#include <new>
+
 namespace inferctx {
+
+// Makes `device` current for a scope and restores the caller's device on exit, so that
+// calls on behalf of one context never change which device the caller's thread targets.
+// A negative `device` leaves the current device as it is.
+class CurrentDeviceScope {
+ public:
+  explicit CurrentDeviceScope(int device);                  // CudaError when the switch fails
+  CurrentDeviceScope(int device, std::nothrow_t) noexcept;  // best effort, for destructors
+  ~CurrentDeviceScope();
+  CurrentDeviceScope(const CurrentDeviceScope&) = delete;
+  CurrentDeviceScope& operator=(const CurrentDeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+  bool switched_ = false;
+};
+
+// The null handle means the legacy default stream, which synchronises with every other
+// blocking stream; taking it by omission is the classic bug, so the functions below that take
+// a stream refuse nullptr with ConfigError("stream"). Pass cudaStreamLegacy (0x1) or
+// cudaStreamPerThread (0x2) to mean a default stream on purpose.
+void require_explicit_stream(cudaStream_t stream, const char* where);
 
 class Stream {
  public:
-  // A new non-blocking stream on `device` (never the legacy default stream).
+  // A new non-blocking stream on `device` (-1: the current device; never the legacy default stream).
   static Stream create(int device);
-  // Wraps a stream someone else owns; it is not destroyed here.
+  // Wraps a stream someone else owns; it is not destroyed here. `device` -1: the stream's
+  // own device (cudaStreamGetDevice). nullptr is refused (see require_explicit_stream).
   static Stream borrow(cudaStream_t handle, int device);
 
   Stream() = default;
@@ -22,7 +47,7 @@ class Stream {
   cudaStream_t handle() const noexcept { return handle_; }
   bool owned() const noexcept { return owned_; }
   int device() const noexcept { return device_; }
-  void synchronize() const;  // cudaStreamSynchronize, checked
+  void synchronize() const;  // cudaStreamSynchronize, checked; ConfigError("stream") when empty
 
  private:
   cudaStream_t handle_ = nullptr;
@@ -30,7 +55,7 @@ class Stream {
   bool owned_ = false;
 };
 
-// An event created with cudaEventDisableTiming unless `timing` is true.
+// An event created with cudaEventDisableTiming unless `timing` is true; `device` -1: the current one.
 class Event {
  public:
   explicit Event(int device, bool timing = false);
@@ -40,15 +65,17 @@ class Event {
 
   cudaEvent_t handle() const noexcept { return event_; }
   int device() const noexcept { return device_; }
-  void record(cudaStream_t stream);        // cudaEventRecord
-  void make_wait(cudaStream_t stream);     // cudaStreamWaitEvent(stream, this)
+  void record(cudaStream_t stream);        // cudaEventRecord; nullptr refused
+  void make_wait(cudaStream_t stream);     // cudaStreamWaitEvent(stream, this); nullptr refused
   bool query() const;                      // true when complete
   void synchronize() const;
-  float elapsed_ms_since(const Event& start) const;  // both need timing=true
+  float elapsed_ms_since(const Event& start) const;  // both need timing=true (else ConfigError)
+  bool timing() const noexcept { return timing_; }
 
  private:
   cudaEvent_t event_ = nullptr;
   int device_ = -1;
+  bool timing_ = false;
 };
 
 }  // namespace inferctx

@@ -1,0 +1,319 @@
+#include "inferctx/context.hpp"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <string>
+
+#include "inferctx/cuda_check.hpp"
+#include "inferctx/errors.hpp"
+
+namespace inferctx {
+
+namespace {
+
+std::string human_bytes(int64_t bytes) {
+  std::ostringstream os;
+  os.setf(std::ios::fixed);
+  os.precision(2);
+  if (bytes >= kGiB) {
+    os << static_cast<double>(bytes) / static_cast<double>(kGiB) << " GiB";
+  } else if (bytes >= kMiB) {
+    os << static_cast<double>(bytes) / static_cast<double>(kMiB) << " MiB";
+  } else {
+    os << bytes << " B";
+  }
+  return os.str();
+}
+
+// An allocation of `bytes` on `device`, or null when the device is out of memory; any other
+// failure throws.
+std::shared_ptr<DeviceAllocation> allocate_or_null(int device, int64_t bytes) {
+  try {
+    return std::make_shared<DeviceAllocation>(device, bytes);
+  } catch (const CudaError& e) {
+    if (e.kind() == ErrorKind::Cuda && e.code == static_cast<int>(cudaErrorMemoryAllocation)) return nullptr;
+    throw;
+  }
+}
+
+std::string describe_plan(const WorkspacePlan& plan) {
+  return std::to_string(plan.max_tokens) + " tokens, " + human_bytes(plan.workspace_bytes);
+}
+
+struct Registry {
+  std::mutex mutex;
+  std::map<int, std::shared_ptr<InferenceContext>> contexts;
+};
+
+}  // namespace
+
+std::shared_ptr<InferenceContext> InferenceContext::instance(int device) {
+  // Resolving the device initialises the CUDA runtime before the registry below is built, so
+  // the registry is destroyed at exit before the runtime tears down, while the contexts can
+  // still free their memory, streams and handles.
+  const int count = device_count();
+  if (device == -1) {
+    device = current_device();
+  } else if (device < 0 || device >= count) {
+    throw ConfigError("device", "device: got " + std::to_string(device) + "; valid: -1 (the current device) or 0.." +
+                                    std::to_string(count - 1));
+  }
+  static Registry registry;
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  std::shared_ptr<InferenceContext>& slot = registry.contexts[device];
+  if (!slot) slot.reset(new InferenceContext(device));
+  return slot;
+}
+
+InferenceContext::InferenceContext(int device) : device_(device) {
+  CurrentDeviceScope on(device);
+  INFERCTX_CUDA(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device), device);
+  INFERCTX_CUDA(cudaDeviceGetAttribute(&cc_major_, cudaDevAttrComputeCapabilityMajor, device), device);
+  INFERCTX_CUDA(cudaDeviceGetAttribute(&cc_minor_, cudaDevAttrComputeCapabilityMinor, device), device);
+  // The cuBLAS workspace is taken first so that the free memory the planner sees excludes it.
+  cublas_ = std::make_unique<CublasHandle>(device);
+  own_stream_ = Stream::create(device);
+  comm_stream_ = Stream::create(device);
+  compute_ = own_stream_.handle();
+  comp_done_ = std::make_unique<Event>(device);
+  comm_done_ = std::make_unique<Event>(device);
+  cublas_->set_stream(compute_);
+}
+
+InferenceContext::~InferenceContext() {
+  CurrentDeviceScope on(device_, std::nothrow);
+  // An adopted stream may already be destroyed by its owner; the handle is rebound to the own
+  // stream, and destroyed while that stream still exists (members die in reverse order, which
+  // would take the streams first).
+  if (cublas_ && own_stream_.handle() != nullptr) cublasSetStream(cublas_->get(), own_stream_.handle());
+  cublas_.reset();
+}
+
+int64_t InferenceContext::views_alive_locked() const {
+  return workspace_ ? static_cast<int64_t>(workspace_.use_count()) - 1 : 0;
+}
+
+WorkspacePlan InferenceContext::gen_workspace(const PlanRequest& request) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CurrentDeviceScope on(device_);
+
+  size_t free_now = 0, total = 0;
+  INFERCTX_CUDA(cudaMemGetInfo(&free_now, &total), device_);
+  const int64_t views = views_alive_locked();
+  // Our own workspace is memory the new one may take over, but only if nothing else uses it.
+  const bool can_free_old = workspace_ && views == 0;
+  PlanRequest measured = request;
+  measured.total_bytes = static_cast<int64_t>(total);
+  measured.free_bytes = static_cast<int64_t>(free_now);
+  if (can_free_old) measured.free_bytes = std::min(measured.total_bytes, measured.free_bytes + workspace_->size());
+
+  WorkspacePlan next = plan_workspace(measured);  // throws before anything changes
+
+  if (!(workspace_ && workspace_->size() >= next.workspace_bytes)) {
+    // Old and new side by side first: a failed regrow must not cost the KV cache.
+    std::shared_ptr<DeviceAllocation> fresh = allocate_or_null(device_, next.workspace_bytes);
+    bool freed_old = false, restored = false;
+    if (!fresh && can_free_old) {
+      workspace_.reset();
+      freed_old = true;
+      try {
+        fresh = allocate_or_null(device_, next.workspace_bytes);
+      } catch (...) {
+        try {
+          workspace_ = allocate_or_null(device_, plan_.workspace_bytes);
+        } catch (...) {
+        }
+        released_ = !workspace_;
+        throw;
+      }
+      if (!fresh) {
+        try {
+          workspace_ = allocate_or_null(device_, plan_.workspace_bytes);
+        } catch (...) {
+        }
+        restored = workspace_ != nullptr;
+        released_ = !restored;
+      }
+    }
+    if (!fresh) {
+      std::string state;
+      if (!has_plan_) {
+        state = "no workspace was planned before";
+      } else if (freed_old && restored) {
+        state = "the previous plan (" + describe_plan(plan_) +
+                ") stays in force; its workspace had to be freed to try and was re-allocated, so its contents "
+                "are lost";
+      } else if (freed_old) {
+        state = "the previous plan (" + describe_plan(plan_) +
+                ") is kept but its workspace could not be re-allocated: the context holds none; call "
+                "retake_workspace once memory is free";
+      } else if (workspace_) {
+        state = "the previous plan (" + describe_plan(plan_) + ") and its workspace stay in force; it could not " +
+                "be freed to make room because " + std::to_string(views) +
+                " view(s) of it are alive (drop them, or release_workspace(force=True), and retry)";
+      } else {
+        state = "the previous plan (" + describe_plan(plan_) + ") stays in force, its workspace still released";
+      }
+      throw WorkspaceOOMError(
+          "gen_workspace: cudaMalloc of " + human_bytes(next.workspace_bytes) + " for the planned workspace (" +
+              std::to_string(next.max_tokens) + " tokens) failed on device " + std::to_string(device_) +
+              " although it was within the budget of " + human_bytes(next.budget_bytes) + " (" + next.budget_limit +
+              ", free " + human_bytes(measured.free_bytes) + " of " + human_bytes(measured.total_bytes) +
+              "): other allocations took memory meanwhile, or it is fragmented; " + state +
+              ". Ask for less: a larger reserve_bytes, a lower memory_fraction (of free memory) or "
+              "memory_limit_bytes, or a smaller batch_size / max_out_tokens",
+          next.workspace_bytes, measured.free_bytes, measured.total_bytes, next.budget_bytes, -1, -1);
+    }
+    // With views alive the old allocation is detached here and lives on in them.
+    workspace_ = std::move(fresh);
+  }
+  released_ = false;
+  plan_ = next;
+  has_plan_ = true;
+  token_limit_.store(next.max_tokens, std::memory_order_relaxed);
+  return next;
+}
+
+bool InferenceContext::has_plan() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return has_plan_;
+}
+
+WorkspacePlan InferenceContext::plan() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!has_plan_) throw WorkspaceStateError("no workspace plan: call gen_workspace first");
+  return plan_;
+}
+
+std::shared_ptr<DeviceAllocation> InferenceContext::workspace() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!has_plan_) throw WorkspaceStateError("no workspace: call gen_workspace first");
+  if (!workspace_) {
+    throw WorkspaceStateError("workspace released: call retake_workspace (the plan of " + describe_plan(plan_) +
+                              " is kept)");
+  }
+  return workspace_;
+}
+
+int64_t InferenceContext::workspace_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return has_plan_ ? plan_.workspace_bytes : 0;
+}
+
+int64_t InferenceContext::max_token_length() const { return token_limit_.load(std::memory_order_relaxed); }
+
+bool InferenceContext::released() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return released_;
+}
+
+int64_t InferenceContext::views_alive() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return views_alive_locked();
+}
+
+void InferenceContext::release_workspace(bool force) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!workspace_) return;
+  const int64_t views = views_alive_locked();
+  if (views > 0 && !force) {
+    throw WorkspaceInUseError("release_workspace: " + std::to_string(views) +
+                                  " view(s) of the workspace are still alive (views, DLPack capsules or arrays "
+                                  "made from them); drop them first, or pass force=True to detach the workspace: "
+                                  "its memory is then freed when the last view dies",
+                              views);
+  }
+  // Freed now when no view holds it (cudaFree waits for queued work), else by the last view.
+  workspace_.reset();
+  released_ = true;
+}
+
+bool InferenceContext::retake_workspace() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!has_plan_) throw WorkspaceStateError("retake_workspace: no workspace plan to retake: call gen_workspace first");
+  if (workspace_) return true;
+  std::shared_ptr<DeviceAllocation> fresh = allocate_or_null(device_, plan_.workspace_bytes);
+  if (!fresh) return false;
+  workspace_ = std::move(fresh);
+  released_ = false;
+  return true;
+}
+
+void InferenceContext::advance_tokens(int64_t n) {
+  if (n < 1) {
+    throw ConfigError("n", "n: advance_tokens got " + std::to_string(n) + "; it must be a positive token count (>= 1)");
+  }
+  const int64_t limit = token_limit_.load(std::memory_order_relaxed);
+  int64_t current = tokens_.load(std::memory_order_relaxed);
+  do {
+    // Written as a difference: current + n could overflow for a huge n.
+    if (n > limit - current) {
+      if (limit == 0) {
+        throw TokenLimitError("advance_tokens(" + std::to_string(n) +
+                                  "): no workspace is planned, so max_token_length is 0; call gen_workspace first",
+                              current, n, limit);
+      }
+      throw TokenLimitError("advance_tokens(" + std::to_string(n) + "): " + std::to_string(current) + " + " +
+                                std::to_string(n) + " tokens would pass max_token_length=" + std::to_string(limit) +
+                                " (the KV cache holds " + std::to_string(limit) +
+                                " positions); call reset_tokens for a new sequence, or gen_workspace with a larger "
+                                "max_out_tokens",
+                            current, n, limit);
+    }
+  } while (!tokens_.compare_exchange_weak(current, current + n, std::memory_order_relaxed));
+}
+
+void InferenceContext::reset_tokens(int64_t initial) {
+  const int64_t limit = token_limit_.load(std::memory_order_relaxed);
+  if (initial < 0 || initial > limit) {
+    throw ConfigError("initial", "initial: reset_tokens got " + std::to_string(initial) + "; valid: 0.." +
+                                     std::to_string(limit) +
+                                     (limit == 0 ? " (no workspace is planned, so max_token_length is 0; call "
+                                                   "gen_workspace first)"
+                                                 : " (max_token_length)"));
+  }
+  tokens_.store(initial, std::memory_order_relaxed);
+}
+
+cudaStream_t InferenceContext::stream() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return compute_;
+}
+
+cudaStream_t InferenceContext::comm_stream() const { return comm_stream_.handle(); }
+
+void InferenceContext::use_stream(cudaStream_t external) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CurrentDeviceScope on(device_);
+  // The special handles name the default streams of the current device, which here is ours.
+  if (external != nullptr && external != cudaStreamLegacy && external != cudaStreamPerThread) {
+    int stream_device = -1;
+    INFERCTX_CUDA(cudaStreamGetDevice(external, &stream_device), device_);
+    if (stream_device != device_) {
+      throw ConfigError("stream", "stream: use_stream got a stream of device " + std::to_string(stream_device) +
+                                      " for the context of device " + std::to_string(device_) +
+                                      "; use InferenceContext.instance(" + std::to_string(stream_device) +
+                                      ") for that stream, or a stream created on device " + std::to_string(device_));
+    }
+  }
+  const cudaStream_t target = external != nullptr ? external : own_stream_.handle();
+  cublas_->set_stream(target);  // first: if it fails the context keeps its previous stream
+  compute_ = target;
+}
+
+void InferenceContext::sync_comp() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CurrentDeviceScope on(device_);
+  INFERCTX_CUDA(cudaEventRecord(comp_done_->handle(), compute_), device_);
+  INFERCTX_CUDA(cudaStreamWaitEvent(comm_stream_.handle(), comp_done_->handle(), 0), device_);
+}
+
+void InferenceContext::sync_comm() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CurrentDeviceScope on(device_);
+  INFERCTX_CUDA(cudaEventRecord(comm_done_->handle(), comm_stream_.handle()), device_);
+  INFERCTX_CUDA(cudaStreamWaitEvent(compute_, comm_done_->handle(), 0), device_);
+}
+
+}  // namespace inferctx

@@ -1,0 +1,149 @@
+#include "inferctx/stream.hpp"
+
+#include <string>
+#include <utility>
+
+#include "inferctx/cuda_check.hpp"
+#include "inferctx/errors.hpp"
+
+namespace inferctx {
+
+CurrentDeviceScope::CurrentDeviceScope(int device) {
+  check_cuda(cudaGetDevice(&previous_), "cudaGetDevice", device);
+  if (device >= 0 && previous_ != device) {
+    check_cuda(cudaSetDevice(device), "cudaSetDevice", device);
+    switched_ = true;
+  }
+}
+
+CurrentDeviceScope::CurrentDeviceScope(int device, std::nothrow_t) noexcept {
+  if (cudaGetDevice(&previous_) != cudaSuccess) {
+    // Clear only our own failure; an error the caller has not collected yet is theirs.
+    cudaGetLastError();
+    return;
+  }
+  if (device >= 0 && previous_ != device) {
+    if (cudaSetDevice(device) == cudaSuccess) {
+      switched_ = true;
+    } else {
+      cudaGetLastError();
+    }
+  }
+}
+
+CurrentDeviceScope::~CurrentDeviceScope() {
+  if (switched_ && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
+}
+
+void require_explicit_stream(cudaStream_t stream, const char* where) {
+  if (stream == nullptr) {
+    throw ConfigError("stream", std::string("stream: ") + where +
+                                    " got the null handle, which is the legacy default stream; pass a stream "
+                                    "handle, or cudaStreamLegacy (1) / cudaStreamPerThread (2) to mean a "
+                                    "default stream on purpose");
+  }
+}
+
+Stream Stream::create(int device) {
+  if (device < 0) device = current_device();
+  CurrentDeviceScope on(device);
+  Stream s;
+  INFERCTX_CUDA(cudaStreamCreateWithFlags(&s.handle_, cudaStreamNonBlocking), device);
+  s.device_ = device;
+  s.owned_ = true;
+  return s;
+}
+
+Stream Stream::borrow(cudaStream_t handle, int device) {
+  require_explicit_stream(handle, "Stream::borrow");
+  if (device < 0) INFERCTX_CUDA(cudaStreamGetDevice(handle, &device), -1);
+  Stream s;
+  s.handle_ = handle;
+  s.device_ = device;
+  s.owned_ = false;
+  return s;
+}
+
+Stream::~Stream() {
+  if (owned_ && handle_ != nullptr) {
+    CurrentDeviceScope on(device_, std::nothrow);
+    // Work still queued completes; the destroy returns at once and frees the stream after it.
+    if (cudaStreamDestroy(handle_) != cudaSuccess) cudaGetLastError();
+  }
+}
+
+Stream::Stream(Stream&& other) noexcept
+    : handle_(std::exchange(other.handle_, nullptr)),
+      device_(std::exchange(other.device_, -1)),
+      owned_(std::exchange(other.owned_, false)) {}
+
+Stream& Stream::operator=(Stream&& other) noexcept {
+  if (this != &other) {
+    Stream old(std::move(*this));  // destroys what this held, after the move
+    handle_ = std::exchange(other.handle_, nullptr);
+    device_ = std::exchange(other.device_, -1);
+    owned_ = std::exchange(other.owned_, false);
+  }
+  return *this;
+}
+
+void Stream::synchronize() const {
+  if (handle_ == nullptr) {
+    throw ConfigError("stream", "stream: this Stream holds no handle (default-constructed or moved from); "
+                                "create one with Stream::create or wrap one with Stream::borrow");
+  }
+  CurrentDeviceScope on(device_);
+  INFERCTX_CUDA(cudaStreamSynchronize(handle_), device_);
+}
+
+Event::Event(int device, bool timing) : device_(device < 0 ? current_device() : device), timing_(timing) {
+  CurrentDeviceScope on(device_);
+  INFERCTX_CUDA(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming), device_);
+}
+
+Event::~Event() {
+  if (event_ != nullptr) {
+    CurrentDeviceScope on(device_, std::nothrow);
+    if (cudaEventDestroy(event_) != cudaSuccess) cudaGetLastError();
+  }
+}
+
+void Event::record(cudaStream_t stream) {
+  require_explicit_stream(stream, "Event::record");
+  CurrentDeviceScope on(device_);
+  INFERCTX_CUDA(cudaEventRecord(event_, stream), device_);
+}
+
+void Event::make_wait(cudaStream_t stream) {
+  require_explicit_stream(stream, "Event::make_wait");
+  CurrentDeviceScope on(device_);
+  INFERCTX_CUDA(cudaStreamWaitEvent(stream, event_, 0), device_);
+}
+
+bool Event::query() const {
+  CurrentDeviceScope on(device_);
+  const cudaError_t status = cudaEventQuery(event_);
+  if (status == cudaSuccess) return true;
+  if (status == cudaErrorNotReady) return false;
+  throw_cuda_error(status, "cudaEventQuery", device_);
+}
+
+void Event::synchronize() const {
+  CurrentDeviceScope on(device_);
+  INFERCTX_CUDA(cudaEventSynchronize(event_), device_);
+}
+
+float Event::elapsed_ms_since(const Event& start) const {
+  if (!timing_ || !start.timing_) {
+    throw ConfigError("timing", std::string("timing: elapsed time needs both events created with timing=true; "
+                                            "the start event has timing=") +
+                                    (start.timing_ ? "true" : "false") + ", this event timing=" +
+                                    (timing_ ? "true" : "false"));
+  }
+  CurrentDeviceScope on(device_);
+  float ms = 0.0f;
+  INFERCTX_CUDA(cudaEventElapsedTime(&ms, start.event_, event_), device_);
+  return ms;
+}
+
+}  // namespace inferctx

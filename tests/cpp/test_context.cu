@@ -1,0 +1,648 @@
+// InferenceContext on a GPU: one per device, workspace allocation (grow, reuse, release,
+// retake, a failing request), views, tokens, Philox, cuBLAS, and stream ordering by events.
+// The cases share the process's context of the current device and run in file order.
+// Deliberate allocation failures live in test_context_oom.cu, so that this file runs clean
+// under compute-sanitizer with its default reporting of CUDA API errors.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "check.hpp"
+#include "inferctx/context.hpp"
+#include "inferctx/cuda_check.hpp"
+#include "inferctx/errors.hpp"
+
+using namespace inferctx;
+
+namespace {
+
+int kDevice = 0;  // the current device when main() starts
+
+// 2 layers, 4 heads, hidden 256 (head 64), 2 KV heads, batch 1, fp16, exact policy.
+// For max_out_tokens = T (all T tokens fit): activations 10*4*64*T*2 B, one K (or V) tensor
+// 2*T*64*2 B, attention scores 4*T*T*2 B; every term is a multiple of 256 for the T used here.
+PlanRequest small_request(int64_t max_out_tokens, int64_t batch = 1) {
+  PlanRequest r;
+  r.shape = {2, 4, 256, 2};
+  r.batch_size = batch;
+  r.prompt_len = 1;
+  r.max_out_tokens = max_out_tokens;
+  r.min_out_tokens = 1;
+  r.dtype = static_cast<int>(DType::Float16);
+  r.policy = static_cast<int>(Policy::Exact);
+  return r;
+}
+
+int64_t small_bytes(int64_t t) { return 10 * 4 * 64 * t * 2 + 4 * (2 * t * 64 * 2) + 4 * t * t * 2; }
+
+int64_t free_memory() {
+  size_t f = 0, t = 0;
+  INFERCTX_CUDA(cudaMemGetInfo(&f, &t), kDevice);
+  return static_cast<int64_t>(f);
+}
+
+__device__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Waits `spin_ns` before writing, so that a consumer that does not wait reads stale values.
+__global__ void slow_fill(int* data, int n, int value, unsigned long long spin_ns) {
+  const unsigned long long start = global_ns();
+  while (global_ns() - start < spin_ns) {
+  }
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) data[i] = value;
+}
+
+__global__ void copy_ints(const int* src, int* dst, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
+}
+
+__global__ void fill_bytes(unsigned char* p, int64_t n, unsigned char value) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
+std::vector<unsigned char> bytes_of(const DeviceAllocation& a, int64_t n, cudaStream_t s) {
+  std::vector<unsigned char> host(static_cast<size_t>(n));
+  INFERCTX_CUDA(cudaMemcpyAsync(host.data(), a.data(), static_cast<size_t>(n), cudaMemcpyDeviceToHost, s), kDevice);
+  INFERCTX_CUDA(cudaStreamSynchronize(s), kDevice);
+  return host;
+}
+
+// Writes `value` over the first and last `n` bytes of the allocation and reads them back.
+bool writable(const DeviceAllocation& a, cudaStream_t s, unsigned char value) {
+  const int64_t n = std::min<int64_t>(a.size(), 4096);
+  auto* base = static_cast<unsigned char*>(a.data());
+  fill_bytes<<<8, 256, 0, s>>>(base, n, value);
+  fill_bytes<<<8, 256, 0, s>>>(base + a.size() - n, n, value);
+  INFERCTX_CUDA(cudaGetLastError(), kDevice);
+  std::vector<unsigned char> head(static_cast<size_t>(n)), tail(static_cast<size_t>(n));
+  INFERCTX_CUDA(cudaMemcpyAsync(head.data(), base, static_cast<size_t>(n), cudaMemcpyDeviceToHost, s), kDevice);
+  INFERCTX_CUDA(cudaMemcpyAsync(tail.data(), base + a.size() - n, static_cast<size_t>(n), cudaMemcpyDeviceToHost, s),
+                kDevice);
+  INFERCTX_CUDA(cudaStreamSynchronize(s), kDevice);
+  for (int64_t i = 0; i < n; ++i)
+    if (head[i] != value || tail[i] != value) return false;
+  return true;
+}
+
+std::vector<int> ints_of(const DeviceAllocation& a, int n, cudaStream_t s) {
+  std::vector<int> host(static_cast<size_t>(n));
+  INFERCTX_CUDA(cudaMemcpyAsync(host.data(), a.data(), sizeof(int) * n, cudaMemcpyDeviceToHost, s), kDevice);
+  INFERCTX_CUDA(cudaStreamSynchronize(s), kDevice);
+  return host;
+}
+
+int count_not(const std::vector<int>& v, int value) {
+  int bad = 0;
+  for (int x : v) bad += x != value;
+  return bad;
+}
+
+// `producer` writes `value` late; `consumer` copies what it sees after `order()` ran.
+// Returns how many copied elements are not `value`.
+template <class Order>
+int stale_after(cudaStream_t producer, cudaStream_t consumer, int value, Order order) {
+  constexpr int n = 1 << 16;
+  DeviceAllocation data(kDevice, sizeof(int) * n), seen(kDevice, sizeof(int) * n);
+  INFERCTX_CUDA(cudaMemsetAsync(data.data(), 0, sizeof(int) * n, producer), kDevice);
+  INFERCTX_CUDA(cudaMemsetAsync(seen.data(), 0, sizeof(int) * n, consumer), kDevice);
+  INFERCTX_CUDA(cudaStreamSynchronize(producer), kDevice);
+  INFERCTX_CUDA(cudaStreamSynchronize(consumer), kDevice);
+  slow_fill<<<64, 256, 0, producer>>>(static_cast<int*>(data.data()), n, value, 50ull * 1000 * 1000);
+  INFERCTX_CUDA(cudaGetLastError(), kDevice);
+  order();
+  copy_ints<<<64, 256, 0, consumer>>>(static_cast<const int*>(data.data()), static_cast<int*>(seen.data()), n);
+  INFERCTX_CUDA(cudaGetLastError(), kDevice);
+  const int bad = count_not(ints_of(seen, n, consumer), value);
+  // Both allocations are freed below; the producer must be done with `data` by then.
+  INFERCTX_CUDA(cudaStreamSynchronize(producer), kDevice);
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("instance: one context per device, created once under contention") {
+  int count = 0;
+  INFERCTX_CUDA(cudaGetDeviceCount(&count), -1);
+  // The first call for this device in the process: 8 threads race to create it.
+  std::vector<std::shared_ptr<InferenceContext>> got(8);
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      while (!go.load()) std::this_thread::yield();
+      got[t] = InferenceContext::instance(kDevice);
+    });
+  }
+  go.store(true);
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 8; ++t) CHECK(got[t] && got[t] == got[0]);
+  auto ctx = InferenceContext::instance(-1);
+  CHECK(ctx == got[0]);
+  CHECK_EQ(ctx->device(), kDevice);
+
+  int sms = 0, major = 0, minor = 0;
+  INFERCTX_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, kDevice), kDevice);
+  INFERCTX_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, kDevice), kDevice);
+  INFERCTX_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, kDevice), kDevice);
+  CHECK_EQ(ctx->multiprocessor_count(), sms);
+  CHECK_EQ(ctx->compute_capability(), major * 10 + minor);
+
+  CHECK_THROWS(ConfigError, InferenceContext::instance(count));
+  CHECK_THROWS(ConfigError, InferenceContext::instance(-2));
+
+  if (count >= 2) {
+    const int other = kDevice == 0 ? 1 : 0;
+    auto second = InferenceContext::instance(other);
+    CHECK(second != ctx);
+    CHECK_EQ(second->device(), other);
+    int current = -1;
+    cudaGetDevice(&current);
+    CHECK_EQ(current, kDevice);  // creating another device's context leaves ours current
+  } else {
+    std::printf("  (one device: the second-device checks need two)\n");
+  }
+}
+
+TEST_CASE("before any plan: no workspace, zero limits, tokens guarded") {
+  auto ctx = InferenceContext::instance(kDevice);
+  CHECK(!ctx->has_plan());
+  CHECK(!ctx->released());
+  CHECK_EQ(ctx->workspace_bytes(), int64_t{0});
+  CHECK_EQ(ctx->max_token_length(), int64_t{0});
+  CHECK_EQ(ctx->views_alive(), int64_t{0});
+  CHECK_THROWS(WorkspaceStateError, ctx->plan());
+  try {
+    ctx->workspace();
+    CHECK(false);
+  } catch (const WorkspaceStateError& e) {
+    CHECK(std::string(e.what()).find("gen_workspace") != std::string::npos);
+  }
+  CHECK_THROWS(WorkspaceStateError, ctx->retake_workspace());
+  ctx->release_workspace(false);  // nothing held: nothing to do
+  CHECK(!ctx->released());
+  try {
+    ctx->advance_tokens(1);
+    CHECK(false);
+  } catch (const TokenLimitError& e) {
+    CHECK_EQ(e.limit, int64_t{0});
+    CHECK(std::string(e.what()).find("gen_workspace") != std::string::npos);
+  }
+  ctx->reset_tokens(0);
+  CHECK_THROWS(ConfigError, ctx->reset_tokens(1));
+  CHECK_EQ(ctx->current_tokens(), int64_t{0});
+}
+
+TEST_CASE("cuBLAS handle: workspace by compute capability, default math, on the compute stream") {
+  auto ctx = InferenceContext::instance(kDevice);
+  CublasHandle& h = ctx->cublas();
+  const int64_t want = ctx->compute_capability() >= 90 ? (int64_t{32} << 20) : (int64_t{4} << 20);
+  CHECK_EQ(h.workspace_bytes(), want);
+  CHECK(h.workspace() != nullptr);
+  CHECK(h.get() != nullptr);
+  CHECK(h.lt() != nullptr);
+  CHECK_EQ(h.device(), kDevice);
+  cublasMath_t mode;
+  INFERCTX_CUBLAS(cublasGetMathMode(h.get(), &mode), kDevice);
+  CHECK_EQ(static_cast<int>(mode), static_cast<int>(CUBLAS_DEFAULT_MATH));
+  h.set_tf32(true);
+  INFERCTX_CUBLAS(cublasGetMathMode(h.get(), &mode), kDevice);
+  CHECK_EQ(static_cast<int>(mode), static_cast<int>(CUBLAS_TF32_TENSOR_OP_MATH));
+  CHECK(h.tf32());
+  h.set_tf32(false);
+  INFERCTX_CUBLAS(cublasGetMathMode(h.get(), &mode), kDevice);
+  CHECK_EQ(static_cast<int>(mode), static_cast<int>(CUBLAS_DEFAULT_MATH));
+  cudaStream_t bound = nullptr;
+  INFERCTX_CUBLAS(cublasGetStream(h.get(), &bound), kDevice);
+  CHECK(bound == ctx->stream());
+
+  // A 2x2 GEMM (column-major) through the handle, on the context's stream.
+  const float a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8};
+  DeviceAllocation da(kDevice, sizeof a), db(kDevice, sizeof b), dc(kDevice, sizeof a);
+  cudaStream_t s = ctx->stream();
+  INFERCTX_CUDA(cudaMemcpyAsync(da.data(), a, sizeof a, cudaMemcpyHostToDevice, s), kDevice);
+  INFERCTX_CUDA(cudaMemcpyAsync(db.data(), b, sizeof b, cudaMemcpyHostToDevice, s), kDevice);
+  const float alpha = 1.0f, beta = 0.0f;
+  INFERCTX_CUBLAS(cublasSgemm(h.get(), CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &alpha, static_cast<const float*>(da.data()),
+                              2, static_cast<const float*>(db.data()), 2, &beta, static_cast<float*>(dc.data()), 2),
+                  kDevice);
+  float c[4] = {};
+  INFERCTX_CUDA(cudaMemcpyAsync(c, dc.data(), sizeof c, cudaMemcpyDeviceToHost, s), kDevice);
+  INFERCTX_CUDA(cudaStreamSynchronize(s), kDevice);
+  // C = A B with A = [1 3; 2 4], B = [5 7; 6 8]: C = [23 31; 34 46], stored by columns.
+  CHECK(c[0] == 23.0f && c[1] == 34.0f && c[2] == 31.0f && c[3] == 46.0f);
+}
+
+TEST_CASE("gen_workspace allocates exactly the plan, measured now") {
+  auto ctx = InferenceContext::instance(kDevice);
+  size_t free_b = 0, total_b = 0;
+  INFERCTX_CUDA(cudaMemGetInfo(&free_b, &total_b), kDevice);
+  PlanRequest r = small_request(16);
+  r.free_bytes = 1;  // replaced by the measurement
+  r.total_bytes = 1;
+  WorkspacePlan p = ctx->gen_workspace(r);
+  CHECK_EQ(small_bytes(16), int64_t{100352});
+  CHECK_EQ(p.max_tokens, int64_t{16});
+  CHECK_EQ(p.workspace_bytes, int64_t{100352});
+  CHECK(p.bound_by == "max_out_tokens");
+  CHECK_EQ(p.request.total_bytes, static_cast<int64_t>(total_b));
+  CHECK(p.request.free_bytes > static_cast<int64_t>(free_b) / 2);
+  CHECK(ctx->has_plan());
+  CHECK_EQ(ctx->workspace_bytes(), int64_t{100352});
+  CHECK_EQ(ctx->max_token_length(), int64_t{16});
+  CHECK_EQ(ctx->plan().workspace_bytes, int64_t{100352});
+  auto ws = ctx->workspace();
+  CHECK(ws->data() != nullptr);
+  CHECK_EQ(ws->size(), int64_t{100352});
+  CHECK_EQ(ws->device(), kDevice);
+  CHECK_EQ(reinterpret_cast<uintptr_t>(ws->data()) % 256, uintptr_t{0});
+  CHECK(writable(*ws, ctx->stream(), 0x5A));
+}
+
+TEST_CASE("grow takes a new allocation; a plan that fits reuses the old one (same pointer)") {
+  auto ctx = InferenceContext::instance(kDevice);
+  ctx->gen_workspace(small_request(16));
+  void* first = ctx->workspace()->data();
+  const int64_t first_size = ctx->workspace()->size();
+
+  WorkspacePlan smaller = ctx->gen_workspace(small_request(8));
+  CHECK_EQ(smaller.workspace_bytes, small_bytes(8));
+  CHECK(ctx->workspace()->data() == first);
+  CHECK_EQ(ctx->workspace()->size(), first_size);  // the allocation is kept whole
+  CHECK_EQ(ctx->workspace_bytes(), small_bytes(8));  // the plan's bytes
+  CHECK_EQ(ctx->max_token_length(), int64_t{8});
+
+  WorkspacePlan larger = ctx->gen_workspace(small_request(64));
+  CHECK_EQ(larger.workspace_bytes, small_bytes(64));
+  CHECK_EQ(ctx->workspace()->size(), small_bytes(64));
+  CHECK_EQ(ctx->max_token_length(), int64_t{64});
+  void* grown = ctx->workspace()->data();
+  CHECK(writable(*ctx->workspace(), ctx->stream(), 0x11));
+
+  ctx->gen_workspace(small_request(16));
+  CHECK(ctx->workspace()->data() == grown);
+  CHECK_EQ(ctx->views_alive(), int64_t{0});
+}
+
+TEST_CASE("grow with a view alive detaches the old allocation; the view stays valid") {
+  auto ctx = InferenceContext::instance(kDevice);
+  ctx->gen_workspace(small_request(16));
+  std::shared_ptr<DeviceAllocation> view = ctx->workspace();
+  CHECK_EQ(ctx->views_alive(), int64_t{1});
+  ctx->gen_workspace(small_request(128));
+  CHECK(ctx->workspace()->data() != view->data());
+  CHECK_EQ(ctx->workspace()->size(), small_bytes(128));
+  CHECK_EQ(ctx->views_alive(), int64_t{0});  // the new allocation has no views
+  CHECK_EQ(view.use_count(), long{1});       // the view is the old allocation's last owner
+  CHECK(writable(*view, ctx->stream(), 0x22));
+  view.reset();  // frees the detached allocation
+  CHECK(writable(*ctx->workspace(), ctx->stream(), 0x23));
+}
+
+TEST_CASE("views_alive counts the other owners of the allocation") {
+  auto ctx = InferenceContext::instance(kDevice);
+  ctx->gen_workspace(small_request(16));
+  CHECK_EQ(ctx->views_alive(), int64_t{0});
+  auto a = ctx->workspace();
+  CHECK_EQ(ctx->views_alive(), int64_t{1});
+  auto b = a;
+  CHECK_EQ(ctx->views_alive(), int64_t{2});
+  {
+    auto c = ctx->workspace();
+    std::shared_ptr<DeviceAllocation> d(c);
+    CHECK_EQ(ctx->views_alive(), int64_t{4});
+  }
+  CHECK_EQ(ctx->views_alive(), int64_t{2});
+  b.reset();
+  CHECK_EQ(ctx->views_alive(), int64_t{1});
+  a.reset();
+  CHECK_EQ(ctx->views_alive(), int64_t{0});
+}
+
+TEST_CASE("release with views alive: WorkspaceInUseError; force detaches; retake re-allocates") {
+  auto ctx = InferenceContext::instance(kDevice);
+  WorkspacePlan p = ctx->gen_workspace(small_request(16));
+  auto view = ctx->workspace();
+  auto twin = view;
+  try {
+    ctx->release_workspace(false);
+    CHECK(false);
+  } catch (const WorkspaceInUseError& e) {
+    CHECK_EQ(e.views_alive, int64_t{2});
+    CHECK(std::string(e.what()).find("force") != std::string::npos);
+  }
+  CHECK(!ctx->released());
+  CHECK(ctx->workspace() == view);
+
+  ctx->release_workspace(true);
+  CHECK(ctx->released());
+  CHECK_EQ(ctx->views_alive(), int64_t{0});
+  CHECK_EQ(view.use_count(), long{2});
+  try {
+    ctx->workspace();
+    CHECK(false);
+  } catch (const WorkspaceStateError& e) {
+    CHECK(std::string(e.what()).find("retake_workspace") != std::string::npos);
+  }
+  // The plan survives the release.
+  CHECK(ctx->has_plan());
+  CHECK_EQ(ctx->plan().max_tokens, p.max_tokens);
+  CHECK_EQ(ctx->workspace_bytes(), p.workspace_bytes);
+  CHECK_EQ(ctx->max_token_length(), p.max_tokens);
+  ctx->release_workspace(false);  // already released: nothing to do
+  CHECK(writable(*view, ctx->stream(), 0x33));
+
+  CHECK(ctx->retake_workspace());
+  CHECK(!ctx->released());
+  auto again = ctx->workspace();
+  CHECK(again->data() != view->data());  // both alive at once
+  CHECK_EQ(again->size(), p.workspace_bytes);
+  CHECK(ctx->retake_workspace());  // held already
+  CHECK(ctx->workspace() == again);
+  view.reset();
+  twin.reset();
+  again.reset();
+  CHECK(writable(*ctx->workspace(), ctx->stream(), 0x34));
+}
+
+TEST_CASE("release frees the memory; 100 release/retake cycles leak nothing") {
+  auto ctx = InferenceContext::instance(kDevice);
+  ctx->release_workspace(false);
+  // 224 MiB: activations 80 MiB, KV cache 16 MiB, attention scores 128 MiB.
+  WorkspacePlan p = ctx->gen_workspace(small_request(1024, 16));
+  CHECK_EQ(p.workspace_bytes, int64_t{224} << 20);
+  const int64_t held = free_memory();
+  ctx->release_workspace(false);
+  const int64_t after_release = free_memory();
+  CHECK(after_release - held >= p.workspace_bytes - (int64_t{4} << 20));
+  CHECK(ctx->retake_workspace());
+  const int64_t start = free_memory();
+  for (int i = 0; i < 100; ++i) {
+    ctx->release_workspace(false);
+    if (!ctx->retake_workspace()) {
+      CHECK(false);
+      break;
+    }
+  }
+  const int64_t end = free_memory();
+  CHECK(end - start <= (int64_t{2} << 20) && start - end <= (int64_t{2} << 20));
+  CHECK(writable(*ctx->workspace(), ctx->stream(), 0x44));
+  ctx->release_workspace(false);  // give the 224 MiB back to the cases below
+}
+
+TEST_CASE("an impossible request throws WorkspaceOOMError and leaves the previous plan in force") {
+  auto ctx = InferenceContext::instance(kDevice);
+  WorkspacePlan before = ctx->gen_workspace(small_request(16));
+  void* ptr = ctx->workspace()->data();
+  CHECK(writable(*ctx->workspace(), ctx->stream(), 0x55));
+  size_t free_b = 0, total_b = 0;
+  INFERCTX_CUDA(cudaMemGetInfo(&free_b, &total_b), kDevice);
+
+  // 2^30 sequences need 5 KiB each per token for activations alone: terabytes.
+  try {
+    ctx->gen_workspace(small_request(16, int64_t{1} << 30));
+    CHECK(false);
+  } catch (const WorkspaceOOMError& e) {
+    CHECK(e.requested_bytes > e.free_bytes);
+    CHECK_EQ(e.total_bytes, static_cast<int64_t>(total_b));
+    CHECK(e.max_batch_size >= 1);  // a smaller batch fits
+  }
+  CHECK(ctx->has_plan());
+  CHECK(!ctx->released());
+  CHECK_EQ(ctx->plan().max_tokens, before.max_tokens);
+  CHECK_EQ(ctx->workspace_bytes(), before.workspace_bytes);
+  CHECK_EQ(ctx->max_token_length(), before.max_tokens);
+  CHECK(ctx->workspace()->data() == ptr);
+  // Contents survive too: the allocation was never touched.
+  auto kept = bytes_of(*ctx->workspace(), 4096, ctx->stream());
+  int changed = 0;
+  for (unsigned char b : kept) changed += b != 0x55;
+  CHECK_EQ(changed, 0);
+  CHECK(writable(*ctx->workspace(), ctx->stream(), 0x56));
+
+  // The same with a view alive, and with an invalid argument.
+  auto view = ctx->workspace();
+  CHECK_THROWS(WorkspaceOOMError, ctx->gen_workspace(small_request(16, int64_t{1} << 30)));
+  CHECK_THROWS(ConfigError, ctx->gen_workspace(small_request(0)));
+  CHECK(ctx->workspace() == view);
+  CHECK_EQ(ctx->plan().max_tokens, before.max_tokens);
+}
+
+TEST_CASE("token counter: guard at max_token_length, reset range, contention") {
+  auto ctx = InferenceContext::instance(kDevice);
+  ctx->gen_workspace(small_request(16));
+  CHECK_EQ(ctx->max_token_length(), int64_t{16});
+  ctx->reset_tokens(0);
+  ctx->advance_tokens(15);
+  ctx->advance_tokens();
+  CHECK_EQ(ctx->current_tokens(), int64_t{16});
+  try {
+    ctx->advance_tokens(1);
+    CHECK(false);
+  } catch (const TokenLimitError& e) {
+    CHECK_EQ(e.current, int64_t{16});
+    CHECK_EQ(e.requested, int64_t{1});
+    CHECK_EQ(e.limit, int64_t{16});
+  }
+  CHECK_EQ(ctx->current_tokens(), int64_t{16});
+  ctx->reset_tokens();
+  CHECK_EQ(ctx->current_tokens(), int64_t{1});
+  CHECK_THROWS(TokenLimitError, ctx->advance_tokens(INT64_MAX));  // no overflow on the way
+  CHECK_THROWS(ConfigError, ctx->advance_tokens(0));
+  CHECK_THROWS(ConfigError, ctx->advance_tokens(-3));
+  CHECK_THROWS(ConfigError, ctx->reset_tokens(17));
+  CHECK_THROWS(ConfigError, ctx->reset_tokens(-1));
+  ctx->reset_tokens(16);
+  CHECK_EQ(ctx->current_tokens(), int64_t{16});
+
+  // 8 threads advance one token at a time until refused: exactly the limit is handed out.
+  ctx->gen_workspace(small_request(4096));
+  ctx->reset_tokens(0);
+  std::atomic<int64_t> granted{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      for (;;) {
+        try {
+          ctx->advance_tokens(1);
+          granted.fetch_add(1);
+        } catch (const TokenLimitError&) {
+          return;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK_EQ(granted.load(), int64_t{4096});
+  CHECK_EQ(ctx->current_tokens(), int64_t{4096});
+  ctx->reset_tokens(0);
+  ctx->gen_workspace(small_request(16));  // reuses the larger allocation
+  CHECK_EQ(ctx->max_token_length(), int64_t{16});
+}
+
+TEST_CASE("Philox state through the context") {
+  auto ctx = InferenceContext::instance(kDevice);
+  ctx->set_seed(1234);
+  auto r = ctx->increment_offset(5);
+  CHECK_EQ(r.first, uint64_t{1234});
+  CHECK_EQ(r.second, uint64_t{0});
+  r = ctx->increment_offset(4);
+  CHECK_EQ(r.second, uint64_t{8});
+  CHECK_EQ(ctx->philox().offset(), uint64_t{12});
+  ctx->set_seed(7);
+  CHECK_EQ(ctx->philox().offset(), uint64_t{0});
+  CHECK_EQ(ctx->increment_offset(1).first, uint64_t{7});
+}
+
+TEST_CASE("streams: owned, non-blocking, distinct; never the legacy stream") {
+  auto ctx = InferenceContext::instance(kDevice);
+  cudaStream_t comp = ctx->stream(), comm = ctx->comm_stream();
+  CHECK(comp != nullptr && comm != nullptr && comp != comm);
+  CHECK(comp != cudaStreamLegacy && comp != cudaStreamPerThread);
+  unsigned flags = 0;
+  INFERCTX_CUDA(cudaStreamGetFlags(comp, &flags), kDevice);
+  CHECK_EQ(flags, unsigned{cudaStreamNonBlocking});
+  INFERCTX_CUDA(cudaStreamGetFlags(comm, &flags), kDevice);
+  CHECK_EQ(flags, unsigned{cudaStreamNonBlocking});
+  int dev = -1;
+  INFERCTX_CUDA(cudaStreamGetDevice(comp, &dev), kDevice);
+  CHECK_EQ(dev, kDevice);
+}
+
+TEST_CASE("sync_comp: the comm stream sees what the compute stream wrote") {
+  auto ctx = InferenceContext::instance(kDevice);
+  CHECK_EQ(stale_after(ctx->stream(), ctx->comm_stream(), 7, [&] { ctx->sync_comp(); }), 0);
+}
+
+TEST_CASE("sync_comm: the compute stream sees what the comm stream wrote") {
+  auto ctx = InferenceContext::instance(kDevice);
+  CHECK_EQ(stale_after(ctx->comm_stream(), ctx->stream(), 9, [&] { ctx->sync_comm(); }), 0);
+}
+
+TEST_CASE("use_stream adopts an external stream (cuBLAS follows) and nullptr returns to the own one") {
+  auto ctx = InferenceContext::instance(kDevice);
+  cudaStream_t own = ctx->stream();
+  Stream external = Stream::create(kDevice);
+  ctx->use_stream(external.handle());
+  CHECK(ctx->stream() == external.handle());
+  cudaStream_t bound = nullptr;
+  INFERCTX_CUBLAS(cublasGetStream(ctx->cublas().get(), &bound), kDevice);
+  CHECK(bound == external.handle());
+  CHECK_EQ(stale_after(external.handle(), ctx->comm_stream(), 11, [&] { ctx->sync_comp(); }), 0);
+  CHECK_EQ(stale_after(ctx->comm_stream(), external.handle(), 12, [&] { ctx->sync_comm(); }), 0);
+
+  // The default streams, asked for by name (torch's default stream is the legacy one).
+  ctx->use_stream(cudaStreamLegacy);
+  CHECK(ctx->stream() == cudaStreamLegacy);
+  ctx->use_stream(cudaStreamPerThread);
+  CHECK(ctx->stream() == cudaStreamPerThread);
+  INFERCTX_CUBLAS(cublasGetStream(ctx->cublas().get(), &bound), kDevice);
+  CHECK(bound == cudaStreamPerThread);
+
+  ctx->use_stream(nullptr);
+  CHECK(ctx->stream() == own);
+  INFERCTX_CUBLAS(cublasGetStream(ctx->cublas().get(), &bound), kDevice);
+  CHECK(bound == own);
+
+  int count = 0;
+  INFERCTX_CUDA(cudaGetDeviceCount(&count), -1);
+  if (count >= 2) {
+    Stream foreign = Stream::create(kDevice == 0 ? 1 : 0);
+    CHECK_THROWS(ConfigError, ctx->use_stream(foreign.handle()));
+    CHECK(ctx->stream() == own);
+  }
+}
+
+TEST_CASE("Stream and Event owners") {
+  Stream a = Stream::create(kDevice);
+  CHECK(a.owned());
+  CHECK_EQ(a.device(), kDevice);
+  cudaStream_t h = a.handle();
+  Stream b = std::move(a);
+  CHECK(a.handle() == nullptr && !a.owned());
+  CHECK(b.handle() == h && b.owned());
+  Stream c = Stream::create(kDevice);
+  c = std::move(b);  // destroys c's own stream, takes b's
+  CHECK(c.handle() == h);
+  c.synchronize();
+  Stream borrowed = Stream::borrow(h, -1);
+  CHECK(!borrowed.owned());
+  CHECK_EQ(borrowed.device(), kDevice);
+
+  Event start(kDevice, true), stop(kDevice, true), plain(kDevice);
+  CHECK(start.timing() && !plain.timing());
+  start.record(h);
+  slow_fill<<<1, 32, 0, h>>>(nullptr, 0, 0, 2ull * 1000 * 1000);
+  INFERCTX_CUDA(cudaGetLastError(), kDevice);
+  stop.record(h);
+  plain.record(h);
+  stop.synchronize();
+  CHECK(stop.query());
+  CHECK(stop.elapsed_ms_since(start) >= 1.0f);
+  CHECK_THROWS(ConfigError, plain.elapsed_ms_since(start));
+  CHECK_THROWS(ConfigError, plain.record(nullptr));
+  CHECK_THROWS(ConfigError, plain.make_wait(nullptr));
+  Stream other = Stream::create(kDevice);
+  plain.make_wait(other.handle());
+  other.synchronize();
+  CHECK(plain.query());
+}
+
+TEST_CASE("DeviceAllocation, PinnedAllocation and copy_async") {
+  PinnedAllocation src(4096), dst(4096);
+  auto* s = static_cast<unsigned char*>(src.data());
+  for (int i = 0; i < 4096; ++i) s[i] = static_cast<unsigned char>(i * 7);
+  DeviceAllocation dev(kDevice, 4096);
+  Stream st = Stream::create(kDevice);
+  copy_async(dev.data(), src.data(), 4096, st.handle(), kDevice);
+  copy_async(dst.data(), dev.data(), 4096, st.handle(), -1);
+  st.synchronize();
+  int diff = 0;
+  for (int i = 0; i < 4096; ++i) diff += static_cast<const unsigned char*>(dst.data())[i] != s[i];
+  CHECK_EQ(diff, 0);
+
+  CHECK_EQ(dev.size(), int64_t{4096});
+  CHECK_EQ(dev.device(), kDevice);
+  CHECK_EQ(src.size(), int64_t{4096});
+}
+
+TEST_CASE("calls on a context leave the caller's current device alone") {
+  int count = 0;
+  INFERCTX_CUDA(cudaGetDeviceCount(&count), -1);
+  if (count < 2) {
+    std::printf("  (one device: nothing to switch between)\n");
+    return;
+  }
+  const int other = kDevice == 0 ? 1 : 0;
+  auto ctx = InferenceContext::instance(other);
+  ctx->gen_workspace(small_request(16));
+  ctx->sync_comp();
+  ctx->release_workspace(false);
+  ctx->retake_workspace();
+  int current = -1;
+  cudaGetDevice(&current);
+  CHECK_EQ(current, kDevice);
+  CHECK_EQ(ctx->workspace()->device(), other);
+  int ptr_device = -1;
+  cudaPointerAttributes attr{};
+  INFERCTX_CUDA(cudaPointerGetAttributes(&attr, ctx->workspace()->data()), other);
+  ptr_device = attr.device;
+  CHECK_EQ(ptr_device, other);
+}
+
+int main() {
+  check::skip_without_gpu();
+  INFERCTX_CUDA(cudaGetDevice(&kDevice), -1);
+  return check::run_all();
+}

@@ -1,0 +1,222 @@
+// Allocation failures on a GPU: a failed cudaMalloc, retake_workspace without room, and a
+// regrow that only fits once the old workspace is freed. These take (nearly) all device memory
+// for a moment, so they are a file of their own: run it alone, not beside other GPU work, and
+// under compute-sanitizer with --report-api-errors no (the failed cudaMalloc calls are the point).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "check.hpp"
+#include "inferctx/context.hpp"
+#include "inferctx/cuda_check.hpp"
+#include "inferctx/errors.hpp"
+
+using namespace inferctx;
+
+namespace {
+
+int kDevice = 0;  // the current device when main() starts
+
+// Memory held by the test itself, in blocks, until it goes out of scope.
+class Hog {
+ public:
+  // Takes free memory until about `leave` bytes are left.
+  explicit Hog(int64_t leave) {
+    size_t free_b = 0, total_b = 0;
+    INFERCTX_CUDA(cudaMemGetInfo(&free_b, &total_b), kDevice);
+    int64_t want = static_cast<int64_t>(free_b) - leave;
+    int64_t block = int64_t{1} << 30;
+    while (want > 0) {
+      const int64_t n = std::min(block, want);
+      void* p = nullptr;
+      if (cudaMalloc(&p, static_cast<size_t>(n)) != cudaSuccess) {
+        cudaGetLastError();
+        if (block <= (int64_t{2} << 20)) break;
+        block /= 2;
+        continue;
+      }
+      blocks_.push_back(p);
+      want -= n;
+    }
+  }
+  ~Hog() {
+    for (void* p : blocks_) cudaFree(p);
+  }
+  Hog(const Hog&) = delete;
+  Hog& operator=(const Hog&) = delete;
+
+ private:
+  std::vector<void*> blocks_;
+};
+
+int64_t free_memory() {
+  size_t f = 0, t = 0;
+  INFERCTX_CUDA(cudaMemGetInfo(&f, &t), kDevice);
+  return static_cast<int64_t>(f);
+}
+
+// 2 layers, 4 heads, hidden 256, 2 KV heads, batch 16, max_out 1024, fp16: 224 MiB
+// (activations 80 MiB, KV cache 16 MiB, attention scores 128 MiB).
+PlanRequest request_224mib() {
+  PlanRequest r;
+  r.shape = {2, 4, 256, 2};
+  r.batch_size = 16;
+  r.prompt_len = 1;
+  r.max_out_tokens = 1024;
+  r.min_out_tokens = 1;
+  r.dtype = static_cast<int>(DType::Float16);
+  return r;
+}
+
+__global__ void fill_bytes(unsigned char* p, int64_t n, unsigned char value) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
+// Writes the first and last 4 KiB of the allocation and reads them back.
+bool writable(const DeviceAllocation& a, cudaStream_t s, unsigned char value) {
+  const int64_t n = std::min<int64_t>(a.size(), 4096);
+  auto* base = static_cast<unsigned char*>(a.data());
+  fill_bytes<<<8, 256, 0, s>>>(base, n, value);
+  fill_bytes<<<8, 256, 0, s>>>(base + a.size() - n, n, value);
+  INFERCTX_CUDA(cudaGetLastError(), kDevice);
+  std::vector<unsigned char> head(static_cast<size_t>(n)), tail(static_cast<size_t>(n));
+  INFERCTX_CUDA(cudaMemcpyAsync(head.data(), base, static_cast<size_t>(n), cudaMemcpyDeviceToHost, s), kDevice);
+  INFERCTX_CUDA(cudaMemcpyAsync(tail.data(), base + a.size() - n, static_cast<size_t>(n), cudaMemcpyDeviceToHost, s),
+                kDevice);
+  INFERCTX_CUDA(cudaStreamSynchronize(s), kDevice);
+  for (int64_t i = 0; i < n; ++i)
+    if (head[i] != value || tail[i] != value) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("a cudaMalloc that cannot succeed: CudaError with call, code, device; state cleared") {
+  try {
+    DeviceAllocation huge(kDevice, int64_t{1} << 52);
+    CHECK(false);
+  } catch (const CudaError& e) {
+    CHECK_EQ(e.code, static_cast<int>(cudaErrorMemoryAllocation));
+    CHECK(e.code_name == "cudaErrorMemoryAllocation");
+    CHECK(e.call.find("cudaMalloc") != std::string::npos);
+    CHECK_EQ(e.device, kDevice);
+    CHECK(std::string(e.what()).find("device " + std::to_string(kDevice)) != std::string::npos);
+  }
+  CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
+  DeviceAllocation after(kDevice, 1024);
+  CHECK(after.data() != nullptr);
+}
+
+TEST_CASE("retake_workspace without room returns false and stays released") {
+  auto ctx = InferenceContext::instance(kDevice);
+  WorkspacePlan p = ctx->gen_workspace(request_224mib());
+  CHECK_EQ(p.workspace_bytes, int64_t{224} << 20);
+  ctx->release_workspace(false);
+  {
+    Hog hog(int64_t{64} << 20);
+    CHECK(free_memory() < p.workspace_bytes);
+    CHECK(!ctx->retake_workspace());
+    CHECK(ctx->released());
+    CHECK_THROWS(WorkspaceStateError, ctx->workspace());
+    CHECK_EQ(ctx->plan().workspace_bytes, p.workspace_bytes);
+    CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
+  }
+  CHECK(ctx->retake_workspace());
+  CHECK(!ctx->released());
+  CHECK_EQ(ctx->workspace()->size(), p.workspace_bytes);
+  CHECK(writable(*ctx->workspace(), ctx->stream(), 0x61));
+}
+
+TEST_CASE("a regrow that fits only in place of the old workspace: freed first, or restored") {
+  auto ctx = InferenceContext::instance(kDevice);
+  WorkspacePlan old_plan = ctx->gen_workspace(request_224mib());
+  const int64_t old_bytes = old_plan.workspace_bytes;
+  CHECK_EQ(ctx->views_alive(), int64_t{0});
+
+  // No reserve and a max_out_tokens that cannot fit: the plan takes all free memory, counting
+  // the old workspace, to within one token (about 2 MiB here, less than the old 224 MiB). So
+  // it cannot be allocated beside the old workspace, only in its place.
+  PlanRequest r;
+  r.shape = {1, 1, 128, 1};
+  r.batch_size = 1;
+  r.prompt_len = 1;
+  r.max_out_tokens = int64_t{1} << 20;
+  r.min_out_tokens = 1;
+  r.dtype = static_cast<int>(DType::Float16);
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  const int64_t free_before = free_memory();
+  try {
+    WorkspacePlan big = ctx->gen_workspace(r);
+    std::printf("  (path taken: the old workspace was freed, then %lld bytes allocated)\n",
+                static_cast<long long>(big.workspace_bytes));
+    CHECK(big.bound_by == "memory");
+    CHECK(big.request.free_bytes >= free_before + old_bytes - (int64_t{8} << 20));
+    CHECK(big.workspace_bytes > free_before);  // only possible without the old workspace
+    CHECK(!ctx->released());
+    CHECK_EQ(ctx->workspace()->size(), big.workspace_bytes);
+    CHECK(writable(*ctx->workspace(), ctx->stream(), 0x71));
+  } catch (const WorkspaceOOMError& e) {
+    std::printf("  (path taken: the allocation failed after freeing the old workspace: %s)\n", e.what());
+    CHECK(e.requested_bytes > free_before);
+    CHECK(ctx->has_plan());
+    CHECK_EQ(ctx->plan().workspace_bytes, old_bytes);
+    CHECK_EQ(ctx->max_token_length(), old_plan.max_tokens);
+    if (ctx->released()) {
+      // Restoring failed too (memory taken meanwhile); the plan is kept for a retake.
+      CHECK(ctx->retake_workspace());
+    }
+    CHECK_EQ(ctx->workspace()->size(), old_bytes);
+    CHECK(writable(*ctx->workspace(), ctx->stream(), 0x72));
+  }
+  CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
+
+  // Give the memory back and check that the context is usable with a small plan again.
+  ctx->release_workspace(false);
+  WorkspacePlan small = ctx->gen_workspace(request_224mib());
+  CHECK_EQ(small.workspace_bytes, old_bytes);
+  CHECK(writable(*ctx->workspace(), ctx->stream(), 0x73));
+}
+
+TEST_CASE("with a view alive the old workspace cannot make room: OOM, previous plan kept") {
+  auto ctx = InferenceContext::instance(kDevice);
+  ctx->release_workspace(false);
+  WorkspacePlan old_plan = ctx->gen_workspace(request_224mib());
+  auto view = ctx->workspace();
+  // With a view alive the planner no longer counts the old workspace as free, so the same
+  // request as above plans within the memory beside it; the allocation then either fits or
+  // fails, and a failure must leave the old plan and allocation in place.
+  PlanRequest r;
+  r.shape = {1, 1, 128, 1};
+  r.max_out_tokens = int64_t{1} << 20;
+  r.dtype = static_cast<int>(DType::Float16);
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  try {
+    WorkspacePlan big = ctx->gen_workspace(r);
+    std::printf("  (the plan beside the viewed workspace fitted: %lld bytes)\n",
+                static_cast<long long>(big.workspace_bytes));
+    CHECK(ctx->workspace() != view);
+    CHECK_EQ(view.use_count(), long{1});
+  } catch (const WorkspaceOOMError& e) {
+    std::printf("  (the plan beside the viewed workspace failed: %s)\n", e.what());
+    CHECK(ctx->workspace() == view);
+    CHECK_EQ(ctx->plan().workspace_bytes, old_plan.workspace_bytes);
+    CHECK(std::string(e.what()).find("view") != std::string::npos);
+  }
+  CHECK(writable(*view, ctx->stream(), 0x81));
+  view.reset();
+  ctx->release_workspace(false);
+}
+
+int main() {
+  check::skip_without_gpu();
+  INFERCTX_CUDA(cudaGetDevice(&kDevice), -1);
+  return check::run_all();
+}
