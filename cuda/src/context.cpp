@@ -1,8 +1,8 @@
 #include "inferctx/context.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
-#include <sstream>
 #include <string>
 
 #include "inferctx/cuda_check.hpp"
@@ -12,18 +12,17 @@ namespace inferctx {
 
 namespace {
 
+// snprintf rather than iostreams: the library formats no locale-dependent text.
 std::string human_bytes(int64_t bytes) {
-  std::ostringstream os;
-  os.setf(std::ios::fixed);
-  os.precision(2);
+  char text[64];
   if (bytes >= kGiB) {
-    os << static_cast<double>(bytes) / static_cast<double>(kGiB) << " GiB";
+    std::snprintf(text, sizeof text, "%.2f GiB", static_cast<double>(bytes) / static_cast<double>(kGiB));
   } else if (bytes >= kMiB) {
-    os << static_cast<double>(bytes) / static_cast<double>(kMiB) << " MiB";
+    std::snprintf(text, sizeof text, "%.2f MiB", static_cast<double>(bytes) / static_cast<double>(kMiB));
   } else {
-    os << bytes << " B";
+    return std::to_string(bytes) + " B";
   }
-  return os.str();
+  return text;
 }
 
 // An allocation of `bytes` on `device`, or null when the device is out of memory; any other
