@@ -1,0 +1,213 @@
+"""Dropout bandwidth: inferctx.dropout (bits / bytes / no mask) against torch's dropout and a copy.
+
+For fp16, bf16 and fp32 inputs of 16 MiB, 256 MiB and 2 GiB (by default), in one run:
+
+* ours, mask="bits" / "bytes" / None, writing into a preallocated ``out=``;
+* ``torch.nn.functional.dropout(x, p, training=True)`` on the same tensors (it writes its output
+  and a bool mask);
+* a device-to-device copy of the same input (``y.copy_(x)``), the bandwidth ceiling.
+
+Every call runs on torch's current stream and is timed alone between CUDA events, after warm-up;
+the figure is the median. The stream is first held by a sleep kernel long enough for the whole
+batch to be queued (``torch.cuda._sleep``), so host launch overhead does not show in the device
+times. Inputs are random normal values; for sizes that fit in L2 several buffer sets are rotated
+so that each call reads and writes memory that is not in L2 (the total exceeds 3x L2).
+
+Bandwidth counts the bytes each variant reads and writes: 2 n e for the data (e bytes per
+element), plus the mask: n / 8 (bits), n (bytes, and torch's bool mask). Ratios: ours/torch time
+(targets at >= 256 MiB: <= 1.0 with bytes; with bits <= 0.85 for fp16/bf16 and <= 0.92 for fp32)
+and ours/copy bandwidth (target >= 0.90 for every mask mode).
+
+    python bench/dropout.py [--p 0.1] [--sizes-mib 16 256 2048] [--dtypes float16 bfloat16 float32]
+                            [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+
+MIB = 1 << 20
+TARGET_COPY_FRACTION = 0.90
+TARGET_VS_TORCH = {("bits", "float16"): 0.85, ("bits", "bfloat16"): 0.85, ("bits", "float32"): 0.92,
+                   ("bytes", "float16"): 1.0, ("bytes", "bfloat16"): 1.0, ("bytes", "float32"): 1.0}
+TARGET_MIN_BYTES = 256 * MIB  # the targets apply from this input size up
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--p", type=float, default=0.1, help="drop probability (default 0.1)")
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 256, 2048], help="input sizes in MiB")
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"],
+                    choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--iters", type=int, default=0, help="timed calls per variant (default: by size)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--json", help="write the results to this file")
+    return ap.parse_args(argv)
+
+
+class Timer:
+    """Per-call device times between CUDA events, with the queue filled before the GPU starts."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.sleep = getattr(torch.cuda, "_sleep", None)
+        self.cycles_per_ms = self._calibrate() if self.sleep else 0.0
+
+    def _calibrate(self) -> float:
+        torch = self.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 5_000_000
+        self.sleep(cycles)  # first use compiles / loads
+        torch.cuda.synchronize()
+        start.record()
+        self.sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        return cycles / max(start.elapsed_time(end), 1e-3)
+
+    def run(self, fn, iters: int, warmup: int, keep_results: bool) -> list[float]:
+        """Median-ready list of per-call times in ms; fn(i) is one call on the current stream."""
+        torch = self.torch
+        for i in range(warmup):
+            fn(i)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(3):
+            fn(i)
+        host_ms = (time.perf_counter() - t0) * 1e3 / 3
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        kept = []
+        if self.sleep:
+            hold_ms = min(500.0, 1.5 * iters * (host_ms + 0.02) + 1.0)
+            self.sleep(int(hold_ms * self.cycles_per_ms))
+        for i in range(iters):
+            starts[i].record()
+            out = fn(i)
+            ends[i].record()
+            if keep_results:
+                kept.append(out)  # freeing results can synchronise; do it after the batch
+        torch.cuda.synchronize()
+        del kept
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def default_iters(nbytes: int) -> int:
+    if nbytes <= 64 * MIB:
+        return 100
+    if nbytes <= 512 * MIB:
+        return 30
+    return 10
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import torch.nn.functional as F
+
+    import inferctx
+
+    torch.cuda.set_device(args.device)
+    props = torch.cuda.get_device_properties(args.device)
+    l2 = int(getattr(props, "L2_cache_size", 0) or 60 * 10**6)
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    timer = Timer(torch)
+    stream = torch.cuda.current_stream()
+    ctx = inferctx.InferenceContext.instance(args.device)
+    print(f"device {args.device}: {props.name}, {props.multi_processor_count} SMs, L2 {l2 / MIB:.0f} MiB; "
+          f"torch {torch.__version__}; p = {args.p}; "
+          f"{'queue pre-filled with torch.cuda._sleep' if timer.sleep else 'no torch.cuda._sleep: host overhead may show'}")
+    results = []
+    header = (f"{'dtype':9s} {'input':>9s} {'variant':13s} {'median us':>10s} {'GB/s':>8s} "
+              f"{'vs copy':>8s} {'vs torch':>9s}  target")
+    print(header)
+    for mib in args.sizes_mib:
+        for dname in args.dtypes:
+            dt = tdt[dname]
+            esize = torch.tensor([], dtype=dt).element_size()
+            nbytes = mib * MIB
+            n = nbytes // esize
+            words_bytes = 4 * math.ceil(n / 32)
+            per_set = 2 * nbytes + n  # x, y and the largest mask
+            sets = max(1, math.ceil(3 * l2 / per_set)) if nbytes < 4 * l2 else 1
+            iters = args.iters or default_iters(nbytes)
+            keep = nbytes * iters <= 2 * 1024 * MIB
+            xs = [torch.randn(n, device="cuda", dtype=torch.float32).to(dt) for _ in range(sets)]
+            ys = [torch.empty_like(x) for x in xs]
+            torch.cuda.synchronize()
+
+            def ours(mode):
+                def call(i):
+                    k = i % sets
+                    return inferctx.dropout(xs[k], args.p, out=ys[k], mask=mode, ctx=ctx, stream=stream)
+                return call
+
+            variants = [
+                ("copy", lambda i: ys[i % sets].copy_(xs[i % sets]), 2 * nbytes),
+                ("torch", lambda i: F.dropout(xs[i % sets], args.p, training=True), 2 * nbytes + n),
+                ("ours bits", ours("bits"), 2 * nbytes + words_bytes),
+                ("ours bytes", ours("bytes"), 2 * nbytes + n),
+                ("ours none", ours(None), 2 * nbytes),
+            ]
+            row = {}
+            for name, fn, moved in variants:
+                times = timer.run(fn, iters, args.warmup, keep)
+                med = statistics.median(times)
+                row[name] = dict(variant=name, dtype=dname, input_bytes=nbytes, elements=n, bytes_moved=moved,
+                                 median_ms=med, min_ms=min(times), gbps=moved / (med * 1e-3) / 1e9,
+                                 iters=iters, buffer_sets=sets)
+            copy_bw = row["copy"]["gbps"]
+            torch_ms = row["torch"]["median_ms"]
+            for name, r in row.items():
+                r["vs_copy_bw"] = r["gbps"] / copy_bw
+                r["vs_torch_time"] = r["median_ms"] / torch_ms
+                mode = name.split()[-1] if name.startswith("ours") else None
+                checks = []
+                if name.startswith("ours") and nbytes >= TARGET_MIN_BYTES:
+                    checks.append(r["vs_copy_bw"] >= TARGET_COPY_FRACTION)
+                    limit = TARGET_VS_TORCH.get((mode, dname))
+                    if limit is not None:
+                        checks.append(r["vs_torch_time"] <= limit)
+                        r["torch_target"] = limit
+                r["target_met"] = all(checks) if checks else None
+                results.append(r)
+                tgt = {None: "", True: "ok", False: "MISSED"}[r["target_met"]]
+                print(f"{dname:9s} {mib:>6d}MiB {name:13s} {r['median_ms'] * 1e3:10.1f} {r['gbps']:8.0f} "
+                      f"{r['vs_copy_bw']:8.2f} {r['vs_torch_time']:9.2f}  {tgt}")
+            del xs, ys
+            torch.cuda.empty_cache()
+
+    print("\nsummary (ours/torch time, ours/copy bandwidth; * = target missed)")
+    print(f"{'dtype':9s} {'input':>9s} | {'bits':>13s} | {'bytes':>13s} | {'none':>13s} | {'copy GB/s':>9s}")
+    for mib in args.sizes_mib:
+        for dname in args.dtypes:
+            sel = {r["variant"]: r for r in results if r["dtype"] == dname and r["input_bytes"] == mib * MIB}
+            cells = []
+            for mode in ("bits", "bytes", "none"):
+                r = sel[f"ours {mode}"]
+                mark = "*" if r["target_met"] is False else " "
+                cells.append(f"{r['vs_torch_time']:5.2f} {r['vs_copy_bw']:5.2f}{mark}")
+            print(f"{dname:9s} {mib:>6d}MiB | " + " | ".join(f"{c:>13s}" for c in cells) +
+                  f" | {sel['copy']['gbps']:9.0f}")
+    missed = [r for r in results if r["target_met"] is False]
+    print(f"\n{len(missed)} target(s) missed" if missed else "\nall targets met")
+    if args.json:
+        meta = dict(device=props.name, sms=props.multi_processor_count, l2_bytes=l2, torch=torch.__version__,
+                    python=platform.python_version(), p=args.p, date=time.strftime("%Y-%m-%d"),
+                    command=" ".join([sys.executable] + sys.argv))
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+        print(f"wrote {args.json}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

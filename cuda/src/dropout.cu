@@ -1,0 +1,710 @@
+// Philox dropout kernels (see dropout.hpp for the random stream and the arithmetic).
+//
+// Work is cut into tiles of 1024 elements = 32 mask words, one warp per tile. In a tile, lane l
+// owns the 16-byte chunks l, l + 32, l + 64, ... so every load and store instruction of the warp
+// touches one contiguous 512-byte span. A mask word covers 32 / V consecutive chunks (V
+// elements per chunk), i.e. as many consecutive lanes; their bits are OR-ed together with
+// shuffles and handed to lane w for word w, so the warp writes its 32 words as one 128-byte
+// store. Elements that do not fill a whole tile, and arrays whose pointers are not 16-byte
+// aligned, take a scalar path: one thread per 32-element group (one mask word). Both paths
+// compute each element from (seed, offset, i, p) alone, so they agree bit for bit and the
+// launch shape never shows in the result.
+//
+// The Philox counter of element i is {offset/4, i/4} (128 bits); the key schedule and the first
+// round's product of the offset word are the same for every element and are computed once on
+// the host, so they reach the kernel through its parameter space (constant bank) and cost no
+// registers. Instead of forming curand's float and comparing it with p, the kernel compares the
+// 32-bit output with a host-computed threshold: the float is a non-decreasing function of the
+// output, so `u > p` is exactly `r >= threshold`.
+#include "inferctx/dropout.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "inferctx/cuda_check.hpp"
+#include "inferctx/errors.hpp"
+#include "inferctx/plan.hpp"
+
+namespace inferctx {
+
+namespace {
+
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
+constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
+constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
+constexpr int kPhiloxRounds = 10;
+
+constexpr int kThreads = 256;          // threads per block
+constexpr int64_t kGroup = 32;         // elements per mask word
+constexpr int64_t kTile = 32 * kGroup; // elements per warp tile
+constexpr unsigned kFullWarp = 0xffffffffu;
+
+// Philox4x32-10 inputs shared by every element of one call.
+struct PhiloxConstants {
+  uint32_t key0[kPhiloxRounds];  // round r uses key + r * (W0, W1)
+  uint32_t key1[kPhiloxRounds];
+  uint32_t r1_x;  // round 1, counter word 1 and key word 0: ctr1 ^ key0
+  uint32_t r1_z;  // round 1: hi32(M0 * ctr0) ^ key1
+  uint32_t r1_w;  // round 1: lo32(M0 * ctr0)
+};
+
+struct ForwardParams {
+  PhiloxConstants philox;
+  uint32_t threshold;  // keep iff the Philox output >= threshold (< 2^32 here: p < 1)
+  float scale;
+  int64_t n;
+};
+
+struct ApplyParams {
+  float scale;
+  int64_t n;
+};
+
+PhiloxConstants make_philox_constants(uint64_t seed, uint64_t offset) {
+  PhiloxConstants c{};
+  const uint64_t counter = offset / 4;
+  const uint32_t ctr0 = static_cast<uint32_t>(counter);
+  const uint32_t ctr1 = static_cast<uint32_t>(counter >> 32);
+  for (int r = 0; r < kPhiloxRounds; ++r) {
+    c.key0[r] = static_cast<uint32_t>(seed) + static_cast<uint32_t>(r) * kPhiloxW0;
+    c.key1[r] = static_cast<uint32_t>(seed >> 32) + static_cast<uint32_t>(r) * kPhiloxW1;
+  }
+  const uint64_t product = static_cast<uint64_t>(kPhiloxM0) * ctr0;
+  c.r1_x = ctr1 ^ c.key0[0];
+  c.r1_z = static_cast<uint32_t>(product >> 32) ^ c.key1[0];
+  c.r1_w = static_cast<uint32_t>(product);
+  return c;
+}
+
+// Philox4x32-10 of counter {ctr0, ctr1, lo32(s), hi32(s)}: the first block of
+// curand_init(seed, s, offset) with offset % 4 == 0.
+__device__ __forceinline__ uint4 philox_block(const PhiloxConstants& c, uint64_t s) {
+  const uint32_t s0 = static_cast<uint32_t>(s);
+  const uint32_t s1 = static_cast<uint32_t>(s >> 32);
+  uint32_t x = __umulhi(kPhiloxM1, s0) ^ c.r1_x;
+  uint32_t y = kPhiloxM1 * s0;
+  uint32_t z = c.r1_z ^ s1;
+  uint32_t w = c.r1_w;
+#pragma unroll
+  for (int r = 1; r < kPhiloxRounds; ++r) {
+    const uint32_t hi0 = __umulhi(kPhiloxM0, x);
+    const uint32_t lo0 = kPhiloxM0 * x;
+    const uint32_t hi1 = __umulhi(kPhiloxM1, z);
+    const uint32_t lo1 = kPhiloxM1 * z;
+    x = hi1 ^ y ^ c.key0[r];
+    y = lo1;
+    z = hi0 ^ w ^ c.key1[r];
+    w = lo0;
+  }
+  return make_uint4(x, y, z, w);
+}
+
+// Bit e set iff output e of the block is kept.
+__device__ __forceinline__ uint32_t keep_bits(uint4 r, uint32_t threshold) {
+  return static_cast<uint32_t>(r.x >= threshold) | (static_cast<uint32_t>(r.y >= threshold) << 1) |
+         (static_cast<uint32_t>(r.z >= threshold) << 2) | (static_cast<uint32_t>(r.w >= threshold) << 3);
+}
+
+// Element conversions: exact widening to float, round-to-nearest-even narrowing.
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  __device__ static float load(const float* p) { return *p; }
+  __device__ static void store(float* p, float v) { *p = v; }
+};
+
+template <>
+struct Elem<__half> {
+  __device__ static float load(const __half* p) { return __half2float(*p); }
+  __device__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  __device__ static float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+  __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+};
+
+__device__ __forceinline__ float scaled_or_zero(float v, bool keep, float scale) { return keep ? v * scale : 0.0f; }
+
+// One 16-bit pair (a 32-bit word of a chunk) of fp16 or bf16, scaled where kept.
+__device__ __forceinline__ uint32_t pair_apply(__half, uint32_t word, uint32_t bits2, float scale) {
+  const float lo = __half2float(__ushort_as_half(static_cast<unsigned short>(word & 0xffffu)));
+  const float hi = __half2float(__ushort_as_half(static_cast<unsigned short>(word >> 16)));
+  const __half2 h = __floats2half2_rn(scaled_or_zero(lo, bits2 & 1u, scale), scaled_or_zero(hi, bits2 & 2u, scale));
+  uint32_t out;
+  memcpy(&out, &h, sizeof(out));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t pair_apply(__nv_bfloat16, uint32_t word, uint32_t bits2, float scale) {
+  const float lo = __uint_as_float(word << 16);
+  const float hi = __uint_as_float(word & 0xffff0000u);
+  const __nv_bfloat162 h =
+      __floats2bfloat162_rn(scaled_or_zero(lo, bits2 & 1u, scale), scaled_or_zero(hi, bits2 & 2u, scale));
+  uint32_t out;
+  memcpy(&out, &h, sizeof(out));
+  return out;
+}
+
+// Scales the V elements of a 16-byte chunk where bit e of `bits` is set, zeroes the others.
+template <typename T>
+__device__ __forceinline__ uint4 chunk_apply(uint4 d, uint32_t bits, float scale) {
+  if constexpr (sizeof(T) == 4) {
+    d.x = __float_as_uint(scaled_or_zero(__uint_as_float(d.x), bits & 1u, scale));
+    d.y = __float_as_uint(scaled_or_zero(__uint_as_float(d.y), bits & 2u, scale));
+    d.z = __float_as_uint(scaled_or_zero(__uint_as_float(d.z), bits & 4u, scale));
+    d.w = __float_as_uint(scaled_or_zero(__uint_as_float(d.w), bits & 8u, scale));
+  } else {
+    d.x = pair_apply(T{}, d.x, bits, scale);
+    d.y = pair_apply(T{}, d.y, bits >> 2, scale);
+    d.z = pair_apply(T{}, d.z, bits >> 4, scale);
+    d.w = pair_apply(T{}, d.w, bits >> 6, scale);
+  }
+  return d;
+}
+
+// Four mask bits (low nibble) to four 0/1 bytes: the shifted copies never overlap.
+__device__ __forceinline__ uint32_t nibble_to_bytes(uint32_t b) { return (b * 0x00204081u) & 0x01010101u; }
+
+// Bit e set iff byte e of `word` is nonzero.
+__device__ __forceinline__ uint32_t bytes_to_nibble(uint32_t word) {
+  return static_cast<uint32_t>((word & 0x000000ffu) != 0) | (static_cast<uint32_t>((word & 0x0000ff00u) != 0) << 1) |
+         (static_cast<uint32_t>((word & 0x00ff0000u) != 0) << 2) | (static_cast<uint32_t>((word & 0xff000000u) != 0) << 3);
+}
+
+// Elements per 16-byte chunk (V) and chunks per mask word, which is also chunks per lane per tile.
+// kMinBlocks caps registers without spilling: a warp holds two tiles at once (the one it works on
+// and the next one's loads), 2 x 4 chunks per lane for 16-bit types (<= 80 registers, 3 blocks of
+// 256 threads per SM, 48 KiB of reads in flight per SM) and 2 x 8 for fp32 (<= 128 registers,
+// 2 blocks, 64 KiB in flight).
+template <typename T>
+struct ChunkShape {
+  static constexpr int V = 16 / static_cast<int>(sizeof(T));
+  static constexpr int CH = 32 / V;
+  static constexpr int kMinBlocks = sizeof(T) == 4 ? 2 : 3;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+template <typename T>
+struct TileData {
+  uint4 chunk[ChunkShape<T>::CH];
+};
+
+// Chunks j * 32 + lane (j < CH) of tile `tile`.
+template <typename T>
+__device__ __forceinline__ TileData<T> load_tile(const T* x, int64_t tile, int lane) {
+  constexpr int V = ChunkShape<T>::V;
+  const uint4* xs = reinterpret_cast<const uint4*>(x) + tile * (kTile / V);
+  TileData<T> d;
+#pragma unroll
+  for (int j = 0; j < ChunkShape<T>::CH; ++j) d.chunk[j] = xs[j * 32 + lane];
+  return d;
+}
+
+template <typename T, MaskMode M>
+__device__ __forceinline__ void forward_tile(const ForwardParams& P, const TileData<T>& d, T* y, void* mask,
+                                             int64_t tile, int lane) {
+  constexpr int V = ChunkShape<T>::V;
+  constexpr int CH = ChunkShape<T>::CH;
+  const int64_t chunk0 = tile * (kTile / V);
+  uint4* ys = reinterpret_cast<uint4*>(y) + chunk0;
+
+  uint32_t bits[CH];
+#pragma unroll
+  for (int j = 0; j < CH; ++j) {
+    const int64_t c = chunk0 + j * 32 + lane;
+    const uint64_t s = static_cast<uint64_t>(c) * (V / 4);  // first Philox block of the chunk
+    uint32_t b = keep_bits(philox_block(P.philox, s), P.threshold);
+    if constexpr (V == 8) b |= keep_bits(philox_block(P.philox, s + 1), P.threshold) << 4;
+    bits[j] = b;
+    ys[j * 32 + lane] = chunk_apply<T>(d.chunk[j], b, P.scale);
+    if constexpr (M == MaskMode::Bytes) {
+      if constexpr (V == 8) {
+        reinterpret_cast<uint2*>(mask)[c] = make_uint2(nibble_to_bytes(b & 0xfu), nibble_to_bytes(b >> 4));
+      } else {
+        reinterpret_cast<uint32_t*>(mask)[c] = nibble_to_bytes(b);
+      }
+    }
+  }
+
+  if constexpr (M == MaskMode::Bits) {
+    // Per j, the CH lanes that share a word OR their bits into the first of them; lane w then
+    // takes word w of the tile, which instruction j = w / V produced in lane (w % V) * CH.
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+      uint32_t v = bits[j];
+#pragma unroll
+      for (int s = 1; s < CH; s *= 2) v |= __shfl_down_sync(kFullWarp, v, s) << (s * V);
+      const uint32_t w = __shfl_sync(kFullWarp, v, (lane % V) * CH);
+      if (lane / V == j) word = w;
+    }
+    static_cast<uint32_t*>(mask)[tile * 32 + lane] = word;
+  }
+}
+
+// Elements [32 g, min(32 g + 32, n)) one at a time: any alignment, any remainder.
+template <typename T, MaskMode M>
+__device__ __forceinline__ void forward_group(const ForwardParams& P, const T* x, T* y, void* mask, int64_t g) {
+  const int64_t base = g * kGroup;
+  const int64_t left = P.n - base;
+  uint32_t word = 0;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    if (q * 4 < left) {
+      const uint4 r = philox_block(P.philox, static_cast<uint64_t>(g) * 8 + q);
+      const uint32_t b = keep_bits(r, P.threshold);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int k = q * 4 + e;
+        if (k < left) {
+          const bool keep = (b >> e) & 1u;
+          Elem<T>::store(y + base + k, scaled_or_zero(Elem<T>::load(x + base + k), keep, P.scale));
+          if constexpr (M == MaskMode::Bytes) static_cast<uint8_t*>(mask)[base + k] = keep ? 1 : 0;
+        }
+      }
+      word |= b << (q * 4);
+    }
+  }
+  if constexpr (M == MaskMode::Bits) {
+    if (left < kGroup) word &= (1u << left) - 1u;
+    static_cast<uint32_t*>(mask)[g] = word;
+  }
+}
+
+template <typename T, MaskMode M, bool Vector>
+__global__ void __launch_bounds__(kThreads, ChunkShape<T>::kMinBlocks)
+    dropout_forward_kernel(const T* x, T* y, void* mask, ForwardParams P) {
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t first_group = 0;
+  if constexpr (Vector) {
+    const int64_t tiles = P.n / kTile;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const int64_t stride = threads / 32;
+    int64_t t = thread / 32;
+    // The next tile's loads are issued before this tile's Philox work, so each warp keeps its
+    // reads in flight while it computes (ptxas would otherwise sink them to their first use).
+    TileData<T> d{};
+    if (t < tiles) d = load_tile(x, t, lane);
+#pragma unroll 1
+    for (; t < tiles; t += stride) {
+      TileData<T> next{};
+      if (t + stride < tiles) next = load_tile(x, t + stride, lane);
+      forward_tile<T, M>(P, d, y, mask, t, lane);
+      d = next;
+    }
+    first_group = tiles * (kTile / kGroup);
+  }
+  const int64_t groups = (P.n + kGroup - 1) / kGroup;
+  for (int64_t g = first_group + thread; g < groups; g += threads) forward_group<T, M>(P, x, y, mask, g);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward (apply a stored mask)
+
+template <typename T, MaskMode M>
+__device__ __forceinline__ void apply_tile(const ApplyParams& P, const T* grad, const void* mask, T* out,
+                                           int64_t tile, int lane) {
+  constexpr int V = ChunkShape<T>::V;
+  constexpr int CH = ChunkShape<T>::CH;
+  const int64_t chunk0 = tile * (kTile / V);
+  const uint4* gs = reinterpret_cast<const uint4*>(grad) + chunk0;
+  uint4* os = reinterpret_cast<uint4*>(out) + chunk0;
+
+  uint4 d[CH];
+#pragma unroll
+  for (int j = 0; j < CH; ++j) d[j] = gs[j * 32 + lane];
+
+  uint32_t bits[CH];
+  if constexpr (M == MaskMode::Bits) {
+    // Chunk j * 32 + lane of the tile is in word (j * 32 + lane) / CH, which lane w loaded.
+    const uint32_t word = static_cast<const uint32_t*>(mask)[tile * 32 + lane];
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+      const uint32_t w = __shfl_sync(kFullWarp, word, j * V + lane / CH);
+      bits[j] = (w >> ((lane % CH) * V)) & ((1u << V) - 1u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+      const int64_t c = chunk0 + j * 32 + lane;
+      if constexpr (V == 8) {
+        const uint2 m = reinterpret_cast<const uint2*>(mask)[c];
+        bits[j] = bytes_to_nibble(m.x) | (bytes_to_nibble(m.y) << 4);
+      } else {
+        bits[j] = bytes_to_nibble(reinterpret_cast<const uint32_t*>(mask)[c]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < CH; ++j) os[j * 32 + lane] = chunk_apply<T>(d[j], bits[j], P.scale);
+}
+
+template <typename T, MaskMode M>
+__device__ __forceinline__ void apply_group(const ApplyParams& P, const T* grad, const void* mask, T* out,
+                                            int64_t g) {
+  const int64_t base = g * kGroup;
+  const int64_t left = P.n - base;
+  uint32_t word = 0;
+  if constexpr (M == MaskMode::Bits) word = static_cast<const uint32_t*>(mask)[g];
+#pragma unroll
+  for (int k = 0; k < kGroup; ++k) {
+    if (k < left) {
+      bool keep;
+      if constexpr (M == MaskMode::Bits) {
+        keep = (word >> k) & 1u;
+      } else {
+        keep = static_cast<const uint8_t*>(mask)[base + k] != 0;
+      }
+      Elem<T>::store(out + base + k, scaled_or_zero(Elem<T>::load(grad + base + k), keep, P.scale));
+    }
+  }
+}
+
+template <typename T, MaskMode M, bool Vector>
+__global__ void __launch_bounds__(kThreads, ChunkShape<T>::kMinBlocks)
+    dropout_apply_kernel(const T* grad, const void* mask, T* out, ApplyParams P) {
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t first_group = 0;
+  if constexpr (Vector) {
+    const int64_t tiles = P.n / kTile;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    for (int64_t t = thread / 32; t < tiles; t += threads / 32) apply_tile<T, M>(P, grad, mask, out, t, lane);
+    first_group = tiles * (kTile / kGroup);
+  }
+  const int64_t groups = (P.n + kGroup - 1) / kGroup;
+  for (int64_t g = first_group + thread; g < groups; g += threads) apply_group<T, M>(P, grad, mask, out, g);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+[[noreturn]] void invalid(const char* argument, const std::string& detail) {
+  throw ConfigError(argument, std::string(argument) + ": " + detail);
+}
+
+std::string p_text(float p) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(p));
+  return buf;
+}
+
+void check_p(float p) {
+  if (std::isnan(p) || p < 0.0f || p > 1.0f)
+    invalid("p", "got " + p_text(p) + "; the drop probability must be in [0, 1]");
+}
+
+void check_mask_mode(int mask_mode) {
+  if (mask_mode != static_cast<int>(MaskMode::None) && mask_mode != static_cast<int>(MaskMode::Bytes) &&
+      mask_mode != static_cast<int>(MaskMode::Bits))
+    invalid("mask_mode", "got code " + std::to_string(mask_mode) + "; valid: 0 (none), 1 (bytes), 2 (bits)");
+}
+
+void check_n(int64_t n, int64_t elem_bytes) {
+  if (n < 0) invalid("n", "got " + std::to_string(n) + "; the element count must be >= 0");
+  if (n > INT64_MAX / 16 / elem_bytes)
+    invalid("n", "got " + std::to_string(n) + "; the byte size of the array does not fit in 64 bits");
+}
+
+// curand's uniform float of a 32-bit output r: fl32(fl32(r) * 2^-32 + 2^-33). Formed in double,
+// where the sum is exact (at most 34 significant bits), then rounded once to float: the same
+// value as the float operations, whatever precision the host evaluates float expressions in.
+float curand_uniform_of(uint32_t r) {
+  const double scaled = static_cast<double>(static_cast<float>(r)) * 0x1p-32;
+  return static_cast<float>(scaled + 0x1p-33);
+}
+
+uintptr_t address(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+
+bool overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+  if (a_bytes == 0 || b_bytes == 0) return false;
+  return address(a) < address(b) + static_cast<uint64_t>(b_bytes) &&
+         address(b) < address(a) + static_cast<uint64_t>(a_bytes);
+}
+
+void check_pointer(const char* name, const void* p, int64_t alignment) {
+  if (p == nullptr) invalid(name, "is null with n > 0; pass a device pointer to the array");
+  if (address(p) % static_cast<uint64_t>(alignment) != 0)
+    invalid(name, "address " + std::to_string(address(p)) + " is not aligned to its element size (" +
+                      std::to_string(alignment) + " bytes)");
+}
+
+// Makes `device` current for the scope and restores the caller's device afterwards.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    INFERCTX_CUDA(cudaGetDevice(&previous_), -1);
+    device_ = device < 0 ? previous_ : device;
+    if (device_ != previous_) INFERCTX_CUDA(cudaSetDevice(device_), device_);
+  }
+  ~ScopedDevice() {
+    if (device_ != previous_) cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  int device() const { return device_; }
+
+ private:
+  int previous_ = 0;
+  int device_ = 0;
+};
+
+int multiprocessors(int device, int sm_count) {
+  if (sm_count > 0) return sm_count;
+  int n = 0;
+  INFERCTX_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), device);
+  return n > 0 ? n : 1;
+}
+
+// Resident blocks per multiprocessor for `kernel`, asked once per kernel (the answer is a property
+// of the compiled kernel and the architecture; it only sizes the grid, never changes results).
+template <auto Kernel>
+int blocks_per_multiprocessor(int device) {
+  static std::atomic<int> cached{0};
+  int b = cached.load(std::memory_order_relaxed);
+  if (b == 0) {
+    INFERCTX_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, Kernel, kThreads, 0), device);
+    if (b < 1) b = 1;
+    cached.store(b, std::memory_order_relaxed);
+  }
+  return b;
+}
+
+// Grid-stride launch: as many blocks as the device holds at once, fewer when there is less work.
+template <auto Kernel>
+unsigned grid_size(int device, int sm_count, int64_t threads_needed) {
+  const int64_t resident =
+      static_cast<int64_t>(multiprocessors(device, sm_count)) * blocks_per_multiprocessor<Kernel>(device);
+  int64_t blocks = (threads_needed + kThreads - 1) / kThreads;
+  if (blocks > resident) blocks = resident;
+  if (blocks < 1) blocks = 1;
+  return static_cast<unsigned>(blocks);
+}
+
+// Threads a launch over n elements can use: a warp per whole tile, a thread per remaining group.
+int64_t threads_needed(int64_t n, bool vector) {
+  const int64_t groups = (n + kGroup - 1) / kGroup;
+  if (!vector) return groups;
+  const int64_t tiles = n / kTile;
+  const int64_t tail_groups = groups - tiles * (kTile / kGroup);
+  return tiles * 32 > tail_groups ? tiles * 32 : tail_groups;
+}
+
+template <typename T, MaskMode M>
+void launch_forward_mode(const void* x, void* y, void* mask, const ForwardParams& P, bool vector,
+                         cudaStream_t stream, int device, int sm_count) {
+  const T* xt = static_cast<const T*>(x);
+  T* yt = static_cast<T*>(y);
+  if (vector) {
+    constexpr auto kernel = dropout_forward_kernel<T, M, true>;
+    kernel<<<grid_size<kernel>(device, sm_count, threads_needed(P.n, true)), kThreads, 0, stream>>>(xt, yt, mask, P);
+  } else {
+    constexpr auto kernel = dropout_forward_kernel<T, M, false>;
+    kernel<<<grid_size<kernel>(device, sm_count, threads_needed(P.n, false)), kThreads, 0, stream>>>(xt, yt, mask, P);
+  }
+  INFERCTX_CUDA(cudaGetLastError(), device);
+}
+
+template <typename T>
+void launch_forward(const void* x, void* y, void* mask, MaskMode mode, const ForwardParams& P, bool vector,
+                    cudaStream_t stream, int device, int sm_count) {
+  switch (mode) {
+    case MaskMode::None: return launch_forward_mode<T, MaskMode::None>(x, y, mask, P, vector, stream, device, sm_count);
+    case MaskMode::Bytes: return launch_forward_mode<T, MaskMode::Bytes>(x, y, mask, P, vector, stream, device, sm_count);
+    case MaskMode::Bits: return launch_forward_mode<T, MaskMode::Bits>(x, y, mask, P, vector, stream, device, sm_count);
+  }
+}
+
+template <typename T, MaskMode M>
+void launch_apply_mode(const void* grad, const void* mask, void* out, const ApplyParams& P, bool vector,
+                       cudaStream_t stream, int device, int sm_count) {
+  const T* gt = static_cast<const T*>(grad);
+  T* ot = static_cast<T*>(out);
+  if (vector) {
+    constexpr auto kernel = dropout_apply_kernel<T, M, true>;
+    kernel<<<grid_size<kernel>(device, sm_count, threads_needed(P.n, true)), kThreads, 0, stream>>>(gt, mask, ot, P);
+  } else {
+    constexpr auto kernel = dropout_apply_kernel<T, M, false>;
+    kernel<<<grid_size<kernel>(device, sm_count, threads_needed(P.n, false)), kThreads, 0, stream>>>(gt, mask, ot, P);
+  }
+  INFERCTX_CUDA(cudaGetLastError(), device);
+}
+
+template <typename T>
+void launch_apply(const void* grad, const void* mask, void* out, MaskMode mode, const ApplyParams& P, bool vector,
+                  cudaStream_t stream, int device, int sm_count) {
+  if (mode == MaskMode::Bits) {
+    launch_apply_mode<T, MaskMode::Bits>(grad, mask, out, P, vector, stream, device, sm_count);
+  } else {
+    launch_apply_mode<T, MaskMode::Bytes>(grad, mask, out, P, vector, stream, device, sm_count);
+  }
+}
+
+// The mask of p == 0: every element kept. Bits: n / 8 bytes of ones, a partial byte, then zero
+// bytes up to the end of the last word (bit i of the little-endian words is bit i % 8 of byte i / 8).
+void fill_mask_all_kept(void* mask, int64_t n, MaskMode mode, cudaStream_t stream, int device) {
+  auto* bytes = static_cast<unsigned char*>(mask);
+  if (mode == MaskMode::Bytes) {
+    INFERCTX_CUDA(cudaMemsetAsync(bytes, 1, static_cast<size_t>(n), stream), device);
+  } else if (mode == MaskMode::Bits) {
+    const int64_t total = dropout_mask_bytes(n, static_cast<int>(mode));
+    int64_t done = n / 8;
+    if (done > 0) INFERCTX_CUDA(cudaMemsetAsync(bytes, 0xff, static_cast<size_t>(done), stream), device);
+    if (n % 8 != 0) {
+      INFERCTX_CUDA(cudaMemsetAsync(bytes + done, (1 << (n % 8)) - 1, 1, stream), device);
+      ++done;
+    }
+    if (total > done) INFERCTX_CUDA(cudaMemsetAsync(bytes + done, 0, static_cast<size_t>(total - done), stream), device);
+  }
+}
+
+bool aligned16(const void* p) { return address(p) % 16 == 0; }
+
+}  // namespace
+
+int64_t dropout_mask_elements(int64_t n, int mask_mode) {
+  check_mask_mode(mask_mode);
+  if (n < 0) invalid("n", "got " + std::to_string(n) + "; the element count must be >= 0");
+  switch (static_cast<MaskMode>(mask_mode)) {
+    case MaskMode::Bytes: return n;
+    case MaskMode::Bits: return n / 32 + (n % 32 != 0 ? 1 : 0);
+    default: return 0;
+  }
+}
+
+int64_t dropout_mask_bytes(int64_t n, int mask_mode) {
+  const int64_t elements = dropout_mask_elements(n, mask_mode);
+  return mask_mode == static_cast<int>(MaskMode::Bits) ? elements * 4 : elements;
+}
+
+float dropout_scale(float p) {
+  check_p(p);
+  if (p == 1.0f) return 0.0f;
+  return static_cast<float>(1.0 / (1.0 - static_cast<double>(p)));
+}
+
+uint64_t dropout_keep_threshold(float p) {
+  check_p(p);
+  // Smallest r in [0, 2^32] with uniform(r) > p, taking uniform(2^32) as +infinity.
+  uint64_t lo = 0, hi = uint64_t{1} << 32;
+  while (lo < hi) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    if (curand_uniform_of(static_cast<uint32_t>(mid)) > p) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, float p, int mask_mode,
+                     uint64_t seed, uint64_t offset, cudaStream_t stream, int device, int sm_count) {
+  const int64_t elem = dtype_size(dtype);
+  check_n(n, elem);
+  check_mask_mode(mask_mode);
+  check_p(p);
+  if (offset % 4 != 0)
+    invalid("offset", "got " + std::to_string(offset) +
+                          "; it must be a multiple of 4 (one Philox counter gives 4 values; take it from "
+                          "increment_offset)");
+  const MaskMode mode = static_cast<MaskMode>(mask_mode);
+  if (n == 0) return;
+  const int64_t bytes = n * elem;
+  const int64_t mask_bytes = dropout_mask_bytes(n, mask_mode);
+  check_pointer("x", x, elem);
+  check_pointer("y", y, elem);
+  if (x != y && overlaps(x, bytes, y, bytes))
+    invalid("y", "partly overlaps x; pass x itself (in place) or a separate array");
+  if (mode != MaskMode::None) {
+    check_pointer("mask", mask, mode == MaskMode::Bits ? 4 : 1);
+    if (overlaps(mask, mask_bytes, x, bytes) || overlaps(mask, mask_bytes, y, bytes))
+      invalid("mask", "overlaps x or y; the mask needs its own " + std::to_string(mask_bytes) + " bytes");
+  }
+
+  ScopedDevice scoped(device);
+  const int dev = scoped.device();
+  if (p == 0.0f) {
+    if (x != y)
+      INFERCTX_CUDA(cudaMemcpyAsync(y, x, static_cast<size_t>(bytes), cudaMemcpyDefault, stream), dev);
+    fill_mask_all_kept(mask, n, mode, stream, dev);
+    return;
+  }
+  if (p == 1.0f) {
+    INFERCTX_CUDA(cudaMemsetAsync(y, 0, static_cast<size_t>(bytes), stream), dev);
+    if (mode != MaskMode::None) INFERCTX_CUDA(cudaMemsetAsync(mask, 0, static_cast<size_t>(mask_bytes), stream), dev);
+    return;
+  }
+
+  ForwardParams P{};
+  P.philox = make_philox_constants(seed, offset);
+  P.threshold = static_cast<uint32_t>(dropout_keep_threshold(p));
+  P.scale = dropout_scale(p);
+  P.n = n;
+  const int64_t chunk_elems = 16 / elem;
+  const bool vector = aligned16(x) && aligned16(y) &&
+                      (mode != MaskMode::Bytes || address(mask) % static_cast<uint64_t>(chunk_elems) == 0);
+  switch (static_cast<DType>(dtype)) {
+    case DType::Float32: return launch_forward<float>(x, y, mask, mode, P, vector, stream, dev, sm_count);
+    case DType::Float16: return launch_forward<__half>(x, y, mask, mode, P, vector, stream, dev, sm_count);
+    case DType::BFloat16: return launch_forward<__nv_bfloat16>(x, y, mask, mode, P, vector, stream, dev, sm_count);
+  }
+}
+
+void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, float p,
+                        int mask_mode, cudaStream_t stream, int device, int sm_count) {
+  const int64_t elem = dtype_size(dtype);
+  check_n(n, elem);
+  check_mask_mode(mask_mode);
+  if (mask_mode == static_cast<int>(MaskMode::None))
+    invalid("mask_mode", "got 0 (none); apply_mask needs the mask of the forward call: 1 (bytes) or 2 (bits)");
+  check_p(p);
+  const MaskMode mode = static_cast<MaskMode>(mask_mode);
+  if (n == 0) return;
+  const int64_t bytes = n * elem;
+  const int64_t mask_bytes = dropout_mask_bytes(n, mask_mode);
+  check_pointer("grad", grad, elem);
+  check_pointer("out", out, elem);
+  check_pointer("mask", mask, mode == MaskMode::Bits ? 4 : 1);
+  if (grad != out && overlaps(grad, bytes, out, bytes))
+    invalid("out", "partly overlaps grad; pass grad itself (in place) or a separate array");
+  if (overlaps(mask, mask_bytes, out, bytes))
+    invalid("mask", "overlaps out; the mask needs its own " + std::to_string(mask_bytes) + " bytes");
+
+  ScopedDevice scoped(device);
+  const int dev = scoped.device();
+  if (p == 1.0f) {
+    INFERCTX_CUDA(cudaMemsetAsync(out, 0, static_cast<size_t>(bytes), stream), dev);
+    return;
+  }
+  ApplyParams P{};
+  P.scale = dropout_scale(p);
+  P.n = n;
+  const int64_t chunk_elems = 16 / elem;
+  const bool vector = aligned16(grad) && aligned16(out) &&
+                      (mode != MaskMode::Bytes || address(mask) % static_cast<uint64_t>(chunk_elems) == 0);
+  switch (static_cast<DType>(dtype)) {
+    case DType::Float32: return launch_apply<float>(grad, mask, out, mode, P, vector, stream, dev, sm_count);
+    case DType::Float16: return launch_apply<__half>(grad, mask, out, mode, P, vector, stream, dev, sm_count);
+    case DType::BFloat16: return launch_apply<__nv_bfloat16>(grad, mask, out, mode, P, vector, stream, dev, sm_count);
+  }
+}
+
+}  // namespace inferctx
