@@ -1,0 +1,341 @@
+"""inferctx.gemm / bmm against torch.matmul on the same tensors, in one run on one GPU.
+
+Shapes (M x N x K, row-major: a is M x K, b is K x N):
+  * square: 8192^3 in bf16 and fp16;
+  * decode: M in {1, 8, 32, 128} x (K, N) in {(4096, 4096), (4096, 14336), (8192, 8192)}, bf16;
+  * attention: batch*heads = 256, Q K^T (128 x 2048 x 128, b transposed) and P V
+    (128 x 128 x 2048), bf16.
+For each: device time of torch.matmul(out=), of inferctx with cuBLASLt's default choice and
+after autotune_gemm, as TFLOP/s (GB/s of weights read for the memory-bound decode shapes).
+Then the host time per call of gemm and torch.matmul on 1 x 4096 x 4096 bf16.
+
+Method: both libraries run on one torch stream (the context adopts it, so inferctx takes its
+fast path); device time from CUDA events around back-to-back calls queued behind a spin
+kernel (so launch overhead is not measured as device time), after warm-up, median of
+repetitions, the two libraries interleaved; operands are fresh uniform random values, rotated
+among enough copies to exceed L2 for small shapes; the first result of each library is
+compared with the other's. Prints a compact table last; --json writes every figure.
+
+    python bench/gemm.py [--json out.json] [--quick] [--no-tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+import inferctx  # noqa: F401  (loads cuBLAS first)
+from inferctx import _core
+
+G = importlib.import_module("inferctx.gemm")
+
+
+# ---------------------------------------------------------------------------------------
+# Cases
+
+
+class Case:
+    def __init__(self, group, dtype, m, n, k, batch=1, trans_b=False):
+        self.group, self.dtype = group, dtype
+        self.m, self.n, self.k, self.batch, self.trans_b = m, n, k, batch, trans_b
+
+    @property
+    def name(self):
+        shape = f"{self.m}x{self.n}x{self.k}"
+        if self.batch > 1:
+            shape = f"{self.batch}x" + shape
+        return f"{self.group} {shape}" + (" (b^T)" if self.trans_b else "")
+
+    @property
+    def flops(self):
+        return 2.0 * self.batch * self.m * self.n * self.k
+
+    @property
+    def weight_bytes(self):
+        return self.batch * self.k * self.n * torch.finfo(self.torch_dtype).bits // 8
+
+    @property
+    def memory_bound(self):
+        return self.group == "decode"
+
+    @property
+    def torch_dtype(self):
+        return getattr(torch, self.dtype)
+
+    @property
+    def tune_shape(self):
+        return (self.batch, self.m, self.n, self.k)
+
+
+def cases():
+    out = [Case("square", dt, 8192, 8192, 8192) for dt in ("bfloat16", "float16")]
+    for k, n in ((4096, 4096), (4096, 14336), (8192, 8192)):
+        for m in (1, 8, 32, 128):
+            out.append(Case("decode", "bfloat16", m, n, k))
+    out.append(Case("attn QK^T", "bfloat16", 128, 2048, 128, batch=256, trans_b=True))
+    out.append(Case("attn PV", "bfloat16", 128, 128, 2048, batch=256))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Timing
+
+
+class Timer:
+    """Device time of queued calls: a spin kernel first, so that the host can queue the whole
+    batch before the GPU reaches it, then events around the calls."""
+
+    def __init__(self, reps):
+        self.reps = reps
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        cycles = 2_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        self.cycles_per_us = cycles / (start.elapsed_time(end) * 1e3)
+
+    def spin(self, us):
+        torch.cuda._sleep(int(us * self.cycles_per_us))
+
+    def one(self, fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.spin(200)
+        start.record()
+        fn(0)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def compare(self, fns, sets):
+        """Median milliseconds per call of each function, measured interleaved."""
+        for fn in fns:
+            for i in range(3):
+                fn(i % sets)
+        torch.cuda.synchronize()
+        estimate = max(min(self.one(fn) for _ in range(3)) for fn in fns)
+        runs = int(min(200, max(5, math.ceil(1.0 / max(estimate, 1e-3)))))
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(self.reps)] for _ in fns]
+        turn = 0
+        for rep in range(self.reps):
+            for f, fn in enumerate(fns):
+                start, end = events[f][rep]
+                self.spin(20.0 * runs + 50.0)
+                start.record()
+                for _ in range(runs):
+                    fn(turn % sets)
+                    turn += 1
+                end.record()
+        torch.cuda.synchronize()
+        return [statistics.median(s.elapsed_time(e) / runs for s, e in per) for per in events]
+
+
+def host_us_per_call(fn, calls=100, reps=21):
+    """Host time of issuing `calls` calls (no waiting on the GPU in between), per call."""
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter_ns() - t0) / calls / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+# ---------------------------------------------------------------------------------------
+# The run
+
+
+def operand_sets(case, l2_bytes):
+    """Enough (a, b) copies that cycling through them does not run from L2."""
+    dt = case.torch_dtype
+    size = torch.finfo(dt).bits // 8
+    per_set = case.batch * (case.m * case.k + case.k * case.n) * size
+    free, _ = torch.cuda.mem_get_info()
+    sets = max(1, min(32, math.ceil(2.5 * l2_bytes / per_set)))
+    while sets > 1 and sets * per_set > free // 3:
+        sets -= 1
+    a_shape = (case.m, case.k) if case.batch == 1 else (case.batch, case.m, case.k)
+    b_mat = (case.n, case.k) if case.trans_b else (case.k, case.n)
+    b_shape = b_mat if case.batch == 1 else (case.batch,) + b_mat
+    a = [torch.empty(a_shape, dtype=dt, device="cuda").uniform_(-1, 1) for _ in range(sets)]
+    b = [torch.empty(b_shape, dtype=dt, device="cuda").uniform_(-1, 1) for _ in range(sets)]
+    c_shape = (case.m, case.n) if case.batch == 1 else (case.batch, case.m, case.n)
+    return a, b, torch.empty(c_shape, dtype=dt, device="cuda"), sets
+
+
+def functions(case, a, b, c):
+    if case.batch == 1:
+        if case.trans_b:
+            def ours(i):
+                G.gemm(a[i], b[i], out=c, trans_b=True)
+
+            def theirs(i):
+                torch.matmul(a[i], b[i].T, out=c)
+        else:
+            def ours(i):
+                G.gemm(a[i], b[i], out=c)
+
+            def theirs(i):
+                torch.matmul(a[i], b[i], out=c)
+    else:
+        if case.trans_b:
+            def ours(i):
+                G.bmm(a[i], b[i], out=c, trans_b=True)
+
+            def theirs(i):
+                torch.matmul(a[i], b[i].transpose(1, 2), out=c)
+        else:
+            def ours(i):
+                G.bmm(a[i], b[i], out=c)
+
+            def theirs(i):
+                torch.matmul(a[i], b[i], out=c)
+    return ours, theirs
+
+
+def relative_difference(x, y):
+    x, y = x.float(), y.float()
+    return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+
+
+def rate(case, ms):
+    if case.memory_bound:
+        return case.weight_bytes / (ms * 1e-3) / 1e9, "GB/s"
+    return case.flops / (ms * 1e-3) / 1e12, "TFLOP/s"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--no-tune", action="store_true", help="skip autotuning")
+    args = parser.parse_args(argv)
+
+    device = 0
+    torch.cuda.set_device(device)
+    props = torch.cuda.get_device_properties(device)
+    l2_bytes = getattr(props, "L2_cache_size", 60 << 20) or (60 << 20)
+    stream = torch.cuda.Stream(device)
+    timer = Timer(reps=7 if args.quick else 15)
+    results, host = [], {}
+    with torch.cuda.stream(stream):
+        ctx = _core.InferenceContext.instance(device)
+        ctx.use_stream(stream)  # one stream for both libraries: inferctx's fast path
+        G.clear_gemm_cache()
+        all_cases = cases()
+        prepared = []
+        for case in all_cases:
+            a, b, c, sets = operand_sets(case, l2_bytes)
+            ours, theirs = functions(case, a, b, c)
+            # The same function on the same operands, from both libraries.
+            ours(0)
+            mine = c.clone()
+            theirs(0)
+            err = relative_difference(mine, c)
+            torch_ms, default_ms = timer.compare([theirs, ours], sets)
+            prepared.append((case, a, b, c, sets, ours, theirs))
+            results.append({"case": case.name, "group": case.group, "dtype": case.dtype,
+                            "batch": case.batch, "m": case.m, "n": case.n, "k": case.k,
+                            "trans_b": case.trans_b, "sets": sets, "difference": err,
+                            "torch_ms": torch_ms, "default_ms": default_ms})
+            print(f"{case.name:34s} {case.dtype:9s} torch {torch_ms * 1e3:9.2f} us  "
+                  f"default {default_ms * 1e3:9.2f} us  (diff {err:.1e}, {sets} sets)", flush=True)
+
+        if not args.no_tune:
+            groups = {}
+            for case in all_cases:
+                groups.setdefault((case.dtype, case.trans_b), []).append(case.tune_shape)
+            tuned = {}
+            for (dtype, trans_b), shapes in groups.items():
+                for shape, r in zip(shapes, G.autotune_gemm(shapes, dtype, trans_b=trans_b)):
+                    tuned[(dtype, trans_b, shape)] = r
+            for row, (case, a, b, c, sets, ours, theirs) in zip(results, prepared):
+                ours(0)
+                mine = c.clone()
+                theirs(0)
+                row["tuned_difference"] = relative_difference(mine, c)
+                row["torch_ms_2"], row["tuned_ms"] = timer.compare([theirs, ours], sets)
+                r = tuned[(case.dtype, case.trans_b, case.tune_shape)]
+                row["tune"] = {key: r[key] for key in ("backend", "algo_index", "candidates",
+                                                       "valid", "default_ms", "tuned_ms")}
+        del prepared
+
+        # Host time per call, 1 x 4096 x 4096 bf16.
+        a = torch.empty((1, 4096), dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+        b = torch.empty((4096, 4096), dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+        c = torch.empty((1, 4096), dtype=torch.bfloat16, device="cuda")
+        G.gemm(a, b, out=c)
+        torch.matmul(a, b, out=c)
+        host["torch.matmul(out=)"] = host_us_per_call(lambda: torch.matmul(a, b, out=c))
+        host["inferctx.gemm(out=)"] = host_us_per_call(lambda: G.gemm(a, b, out=c))
+        host["torch.matmul"] = host_us_per_call(lambda: torch.matmul(a, b))
+        host["inferctx.gemm"] = host_us_per_call(lambda: G.gemm(a, b))
+        fast_path = G._torch_tensor is not None and ctx.stream.handle == stream.cuda_stream
+        ctx.use_stream(None)
+
+    report(results, host, props, args, fast_path)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                       "gpu": props.name, "torch": torch.__version__,
+                       "cuda": torch.version.cuda, "command": " ".join(sys.argv),
+                       "cases": results, "host_us_per_call": host}, f, indent=1)
+    return 0
+
+
+def report(results, host, props, args, fast_path):
+    tuned = not args.no_tune
+    print()
+    print(f"GEMM, inferctx vs torch.matmul (out=), {props.name}, torch {torch.__version__}; "
+          f"median device time per call")
+    head = (f"{'case':34s} {'dtype':5s} {'torch us':>9s} {'default':>9s} {'def/t':>6s}"
+            + (f" {'tuned':>9s} {'tun/t':>6s}" if tuned else "") + f" {'torch':>8s} {'ours':>8s}"
+            + " unit     diff")
+    print(head)
+    print("-" * len(head))
+    ratios = []
+    for row in results:
+        case = Case(row["group"], row["dtype"], row["m"], row["n"], row["k"], row["batch"],
+                    row["trans_b"])
+        torch_ms = row["torch_ms_2"] if tuned else row["torch_ms"]
+        ours_ms = row["tuned_ms"] if tuned else row["default_ms"]
+        ratio = ours_ms / torch_ms
+        ratios.append(ratio)
+        torch_rate, unit = rate(case, torch_ms)
+        ours_rate, _ = rate(case, ours_ms)
+        diff = max(row["difference"], row.get("tuned_difference", 0.0))
+        flag = "" if diff < 2e-2 else "  MISMATCH"
+        short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[row["dtype"]]
+        line = (f"{row['case']:34s} {short:5s} {torch_ms * 1e3:9.2f} "
+                f"{row['default_ms'] * 1e3:9.2f} {row['default_ms'] / row['torch_ms']:6.3f}")
+        if tuned:
+            line += f" {row['tuned_ms'] * 1e3:9.2f} {ratio:6.3f}"
+        line += f" {torch_rate:8.1f} {ours_rate:8.1f} {unit:8s} {diff:.0e}{flag}"
+        print(line)
+    geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    label = "tuned" if tuned else "default"
+    worst = max(ratios)
+    print(f"{label}/torch: geometric mean {geomean:.3f} (target <= 1.00), worst {worst:.3f} "
+          f"(target <= 1.02): {'PASS' if geomean <= 1.0 and worst <= 1.02 else 'MISS'}")
+    t, o = host["torch.matmul(out=)"], host["inferctx.gemm(out=)"]
+    print(f"host time per call, 1x4096x4096 bf16: gemm(out=) {o:.2f} us vs torch.matmul(out=) "
+          f"{t:.2f} us ({'PASS' if o <= t else 'MISS'}); allocating: gemm {host['inferctx.gemm']:.2f}"
+          f" us vs torch.matmul {host['torch.matmul']:.2f} us; torch fast path "
+          f"{'on' if fast_path else 'OFF'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
