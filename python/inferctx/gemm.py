@@ -108,12 +108,13 @@ def gemm(a, b, *, out=None, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c
         The InferenceContext whose cuBLAS handle and stream run the product; by default the
         one of the operands' device.
     tf32
-        float32 only: allow TF32 tensor cores (about 1e-3 relative error instead of 1e-6).
+        float32 only: allow TF32 tensor cores (relative error near 3e-4 instead of near 1e-6).
 
     Returns
     -------
     ``out``, or a new inferctx.DeviceView (``torch.from_dlpack(view)`` takes it without a copy).
-    Accumulation is fp32 for every dtype.
+    Accumulation is fp32 for every dtype. The product is queued on ``ctx.stream`` and is ready
+    there; m, n or k may be 0 (k = 0 gives ``beta * out``, zeros for a new result).
     """
     return _product("gemm", 2, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
 
@@ -301,22 +302,31 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
     tensor = _torch_tensor if _torch_tensor is not None else _find_torch()
     if (tensor is not None and isinstance(a, tensor) and isinstance(b, tensor)
             and (out is None or isinstance(out, tensor))):
-        device = a.get_device()
-        if (device >= 0 and b.get_device() >= 0
-                and (out is None or out.get_device() >= 0)):  # else the generic path says why
+        a_device = a.get_device()
+        b_device = b.get_device()
+        c_device = a_device if out is None else out.get_device()
+        if a_device >= 0 and b_device >= 0 and c_device >= 0:  # else the generic path says why
             ctx_device = None
             if ctx is None:
-                ctx = _contexts.get(device) or _context_for(device)
-                ctx_device = device
-            if ctx.stream.handle == (_torch_raw_stream(device) or _LEGACY_STREAM):
+                ctx = _contexts.get(a_device) or _context_for(a_device)
+                ctx_device = a_device
+            if ctx.stream.handle == (_torch_raw_stream(a_device) or _LEGACY_STREAM):
                 # Same stream as torch: nothing to order, so read the tensors directly.
-                A = (a.data_ptr(), a.shape, a.stride(), _torch_codes.get(a.dtype), device)
-                B = (b.data_ptr(), b.shape, b.stride(), _torch_codes.get(b.dtype),
-                     b.get_device())
-                C = None if out is None else (out.data_ptr(), out.shape, out.stride(),
-                                              _torch_codes.get(out.dtype), out.get_device())
-                return _run(name, ndim, a, b, out, A, B, C, ctx, ctx_device, trans_a, trans_b,
-                            alpha, beta, tf32, None)
+                codes = _torch_codes
+                if out is None:
+                    key = (ndim, trans_a, trans_b, codes.get(a.dtype), a.shape, a.stride(),
+                           codes.get(b.dtype), b.shape, b.stride(), None, None, None)
+                    c_ptr = 0
+                else:
+                    key = (ndim, trans_a, trans_b, codes.get(a.dtype), a.shape, a.stride(),
+                           codes.get(b.dtype), b.shape, b.stride(), codes.get(out.dtype),
+                           out.shape, out.stride())
+                    c_ptr = out.data_ptr()
+                plan = _plans.get(key)
+                if plan is None:
+                    plan = _new_plan(name, key, a, b, out, None)
+                return _launch(name, plan, ctx, ctx_device, a_device, b_device, c_device,
+                               a.data_ptr(), b.data_ptr(), out, c_ptr, alpha, beta, tf32)
 
     # Any DLPack / CUDA-array-interface producer, with the stream handshake.
     device = _device_hint(a, "a", name)
@@ -335,21 +345,59 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
     if vc is not None and vc.read_only:
         raise ConfigError(f"{name}: out ({_type_name(out)}) is read-only; pass a writable array",
                           argument="out")
-    A = (va.ptr, va.shape, va.strides, _CODES.get(va.dtype), va.device)
-    B = (vb.ptr, vb.shape, vb.strides, _CODES.get(vb.dtype), vb.device)
-    C = None if vc is None else (vc.ptr, vc.shape, vc.strides, _CODES.get(vc.dtype), vc.device)
-    dtypes = (va.dtype, vb.dtype, None if vc is None else vc.dtype)
+    key = (ndim, trans_a, trans_b, _CODES.get(va.dtype), va.shape, va.strides,
+           _CODES.get(vb.dtype), vb.shape, vb.strides,
+           None if vc is None else _CODES.get(vc.dtype), None if vc is None else vc.shape,
+           None if vc is None else vc.strides)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _new_plan(name, key, a, b, out,
+                         (va.dtype, vb.dtype, None if vc is None else vc.dtype))
     # va / vb / vc keep the memory alive until the product is queued.
-    return _run(name, ndim, a, b, out, A, B, C, ctx, None, trans_a, trans_b, alpha, beta, tf32,
-                dtypes)
+    return _launch(name, plan, ctx, None, va.device, vb.device,
+                   va.device if vc is None else vc.device, va.ptr, vb.ptr, out,
+                   0 if vc is None else vc.ptr, alpha, beta, tf32)
 
 
-def _run(name, ndim, a, b, out, A, B, C, ctx, ctx_device, trans_a, trans_b, alpha, beta, tf32,
-         dtypes):
-    """Checks the operands described by A, B, C ((ptr, shape, strides, dtype code, device)),
-    works out the stored-matrix problem and queues it. ctx_device: ctx's device when known."""
-    a_ptr, a_shape, a_strides, code, device = A
-    b_ptr, b_shape, b_strides, b_code, b_device = B
+# Problems worked out from (ndim, transposes, dtypes, shapes, strides): what a call needs
+# beyond its pointers. Bounded; cleared when full.
+_plans: dict = {}
+_PLAN_LIMIT = 4096
+
+
+def _launch(name, plan, ctx, ctx_device, a_device, b_device, c_device, a_ptr, b_ptr, out, c_ptr,
+            alpha, beta, tf32):
+    """Checks devices and memory overlap for one call of a worked-out problem and queues it."""
+    (code, m, n, k, batch, lda, ldb, ldc, stride_a, stride_b, stride_c, ta, tb, swap, expected,
+     span_a, span_b, span_c, spans, shapes) = plan
+    if b_device != a_device or c_device != a_device:
+        _device_error(name, shapes, a_device, b_device, c_device)
+    if ctx_device is None:
+        ctx_device = _context_device(ctx)
+    if a_device != ctx_device:
+        raise ConfigError(f"{name}: the operands are on cuda:{a_device} but ctx is the context of "
+                          f"cuda:{ctx_device}; pass ctx=InferenceContext.instance({a_device}) or "
+                          f"leave ctx=None", argument="ctx")
+    if out is None:
+        result = _core._empty(a_device, expected, NAMES[code])
+        c_ptr = result.ptr
+    else:
+        result = out
+        if ((a_ptr < c_ptr + span_c and c_ptr < a_ptr + span_a)
+                or (b_ptr < c_ptr + span_c and c_ptr < b_ptr + span_b)):
+            _check_no_overlap(name, a_ptr, b_ptr, c_ptr, spans, ITEMSIZE[code])
+    if swap:
+        a_ptr, b_ptr = b_ptr, a_ptr
+    _core._gemm(ctx, a_ptr, b_ptr, c_ptr, code, ta, tb, m, n, k, batch, lda, ldb, ldc, stride_a,
+                stride_b, stride_c, alpha, beta, tf32)
+    return result
+
+
+def _new_plan(name, key, a, b, out, dtypes):
+    """Works out the stored-matrix problem of a call (ConfigError for what cannot be run) and
+    remembers it under `key`."""
+    (ndim, trans_a, trans_b, code, a_shape, a_strides, b_code, b_shape, b_strides, c_code,
+     c_shape, c_strides) = key
     if len(a_shape) != ndim or len(b_shape) != ndim:
         bad, shape = ("a", a_shape) if len(a_shape) != ndim else ("b", b_shape)
         raise ConfigError(f"{name}: {bad} must be {ndim}-D ({'(m, k)' if ndim == 2 else '(batch, m, k)'}"
@@ -357,17 +405,7 @@ def _run(name, ndim, a, b, out, A, B, C, ctx, ctx_device, trans_a, trans_b, alph
                           f"{_shape(b_shape)}" + ("; use bmm for batches" if ndim == 2 and
                                                    len(shape) == 3 else ""), argument=bad)
     if code is None or b_code is None or code != b_code:
-        _dtype_error(name, a, b, A, B, dtypes)
-    if b_device != device:
-        raise ConfigError(f"{name}: a {_shape(a_shape)} is on cuda:{device} but b "
-                          f"{_shape(b_shape)} is on cuda:{b_device}; both must be on one device",
-                          argument="b")
-    if ctx_device is None:
-        ctx_device = _context_device(ctx)
-    if device != ctx_device:
-        raise ConfigError(f"{name}: the operands are on cuda:{device} but ctx is the context of "
-                          f"cuda:{ctx_device}; pass ctx=InferenceContext.instance({device}) or "
-                          f"leave ctx=None", argument="ctx")
+        _dtype_error(name, a, b, (a_shape, code), (b_shape, b_code), dtypes)
 
     la = _layout(a_shape, a_strides)
     if la is None:
@@ -403,45 +441,58 @@ def _run(name, ndim, a, b, out, A, B, C, ctx, ctx_device, trans_a, trans_b, alph
     if b_batch == 1:
         stride_b = 0
     expected = (m, n) if ndim == 2 else (batch, m, n)
-
-    if C is None:
-        result = _core._empty(device, expected, NAMES[code])
-        c_ptr = result.ptr
+    size = ITEMSIZE[code]
+    swap = False
+    if c_shape is None:
         ldc = n if n > 0 else 1
         stride_c = m * n
+        c_layout = (batch, stride_c, m, n, ldc)
     else:
-        c_ptr, c_shape, c_strides, c_code, c_device = C
         if tuple(c_shape) != expected:
             raise ConfigError(f"{name}: out has shape {_shape(c_shape)}, but a of shape "
                               f"{_shape(a_shape)} and b of shape {_shape(b_shape)} give "
                               f"{_shape(expected)}", argument="out")
         if c_code != code:
-            _out_dtype_error(name, out, code, C, dtypes)
-        if c_device != device:
-            raise ConfigError(f"{name}: out {_shape(c_shape)} is on cuda:{c_device} but a and b "
-                              f"are on cuda:{device}", argument="out")
+            _out_dtype_error(name, out, code, (c_shape, c_code), dtypes)
         lc = _layout(c_shape, c_strides)
         if lc is None:
             _layout_error(name, "out", c_shape, c_strides)
-        _, stride_c, c_rows, c_cols, ldc, c_flip = lc
+        _, stride_c, c_rows, c_cols, ldc, swap = lc
         if batch == 1:
             stride_c = 0
-        size = ITEMSIZE[code]
-        _check_no_overlap(name, "a", a_ptr, batch if stride_a else 1, stride_a, a_rows, a_cols,
-                          lda, c_ptr, batch, stride_c, c_rows, c_cols, ldc, size)
-        _check_no_overlap(name, "b", b_ptr, batch if stride_b else 1, stride_b, b_rows, b_cols,
-                          ldb, c_ptr, batch, stride_c, c_rows, c_cols, ldc, size)
-        if c_flip:
-            # out is column-major: out^T = op(b)^T op(a)^T, written row-major.
-            a_ptr, b_ptr = b_ptr, a_ptr
-            ta, tb = not tb, not ta
-            lda, ldb = ldb, lda
-            stride_a, stride_b = stride_b, stride_a
-            m, n = n, m
-        result = out
-    _core._gemm(ctx, a_ptr, b_ptr, c_ptr, code, ta, tb, m, n, k, batch, lda, ldb, ldc, stride_a,
-                stride_b, stride_c, alpha, beta, tf32)
-    return result
+        c_layout = (batch, stride_c, c_rows, c_cols, ldc)
+    spans = ((batch if stride_a else 1, stride_a, a_rows, a_cols, lda),
+             (batch if stride_b else 1, stride_b, b_rows, b_cols, ldb), c_layout)
+    span_a, span_b, span_c = (_span_bytes(*layout, size) for layout in spans)
+    if swap:
+        # out is column-major: out^T = op(b)^T op(a)^T, written row-major.
+        ta, tb = not tb, not ta
+        lda, ldb = ldb, lda
+        stride_a, stride_b = stride_b, stride_a
+        m, n = n, m
+    plan = (code, m, n, k, batch, lda, ldb, ldc, stride_a, stride_b, stride_c, ta, tb, swap,
+            expected, span_a, span_b, span_c, spans, (a_shape, b_shape, c_shape))
+    if len(_plans) >= _PLAN_LIMIT:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def _span_bytes(batch, stride, rows, cols, ld, size):
+    """Bytes from an operand's first element to just past its last (0 when it is empty)."""
+    if batch == 0 or rows == 0 or cols == 0:
+        return 0
+    return ((batch - 1) * stride + (rows - 1) * ld + cols) * size
+
+
+def _device_error(name, shapes, a_device, b_device, c_device):
+    a_shape, b_shape, c_shape = shapes
+    if b_device != a_device:
+        raise ConfigError(f"{name}: a {_shape(a_shape)} is on cuda:{a_device} but b "
+                          f"{_shape(b_shape)} is on cuda:{b_device}; both must be on one device",
+                          argument="b")
+    raise ConfigError(f"{name}: out {_shape(c_shape)} is on cuda:{c_device} but a and b are on "
+                      f"cuda:{a_device}", argument="out")
 
 
 def _layout(shape, strides):
@@ -475,49 +526,51 @@ def _row_major_ld(r, c, sr, sc):
     return sr if sr >= c else None
 
 
-def _check_no_overlap(name, operand, ptr, batch, stride, rows, cols, ld, c_ptr, c_batch,
-                      c_stride, c_rows, c_cols, ldc, size):
-    """ConfigError when out shares memory with an input (the product would read what it writes)."""
-    if rows == 0 or cols == 0 or c_rows == 0 or c_cols == 0 or batch == 0 or c_batch == 0:
-        return
-    end = ptr + ((batch - 1) * stride + (rows - 1) * ld + cols) * size
-    c_end = c_ptr + ((c_batch - 1) * c_stride + (c_rows - 1) * ldc + c_cols) * size
-    if end <= c_ptr or c_end <= ptr:
-        return
-    # Overlapping spans are fine when, with one leading dimension, the two take disjoint
-    # column ranges of the same rows (out and an input side by side in one buffer): seen as
-    # positions modulo ld, the input takes [0, cols) and out must fit in [cols, ld).
-    if ld == ldc and batch == 1 and c_batch == 1 and (c_ptr - ptr) % size == 0:
-        column = ((c_ptr - ptr) // size) % ld
-        if cols <= column and column + c_cols <= ld:
-            return
-    raise ConfigError(f"{name}: out shares memory with {operand}; the product would overwrite its "
-                      f"own input. Write into a separate array", argument="out")
+def _check_no_overlap(name, a_ptr, b_ptr, c_ptr, spans, size):
+    """ConfigError when out shares memory with an input (the product would read what it writes).
+
+    Called when their spans intersect; they may still be disjoint when, with one leading
+    dimension, they take disjoint column ranges of the same rows (out and an input side by side
+    in one buffer): seen as positions modulo ld, the input takes [0, cols) and out must fit in
+    [cols, ld)."""
+    c_batch, _, _, c_cols, ldc = spans[2]
+    c_span = _span_bytes(*spans[2], size)
+    for operand, ptr, layout in (("a", a_ptr, spans[0]), ("b", b_ptr, spans[1])):
+        batch, _, _, cols, ld = layout
+        if not (ptr < c_ptr + c_span and c_ptr < ptr + _span_bytes(*layout, size)):
+            continue
+        if ld == ldc and batch == 1 and c_batch == 1 and (c_ptr - ptr) % size == 0:
+            column = ((c_ptr - ptr) // size) % ld
+            if cols <= column and column + c_cols <= ld:
+                continue
+        raise ConfigError(f"{name}: out shares memory with {operand}; the product would overwrite "
+                          f"its own input. Write into a separate array", argument="out")
 
 
-def _dtype_error(name, a, b, A, B, dtypes):
-    a_name = _dtype_label(a, A, dtypes and dtypes[0])
-    b_name = _dtype_label(b, B, dtypes and dtypes[1])
-    shapes = f"a of shape {_shape(A[1])} ({a_name}) and b of shape {_shape(B[1])} ({b_name})"
-    if A[3] is None or B[3] is None:
-        bad = "a" if A[3] is None else "b"
+def _dtype_error(name, a, b, a_desc, b_desc, dtypes):
+    """a_desc / b_desc: (shape, dtype code or None)."""
+    a_name = _dtype_label(a, a_desc[1], dtypes and dtypes[0])
+    b_name = _dtype_label(b, b_desc[1], dtypes and dtypes[1])
+    shapes = f"a of shape {_shape(a_desc[0])} ({a_name}) and b of shape {_shape(b_desc[0])} ({b_name})"
+    if a_desc[1] is None or b_desc[1] is None:
+        bad = "a" if a_desc[1] is None else "b"
         raise ConfigError(f"{name}: {shapes}: {bad} has a dtype gemm does not take; valid: "
                           f"float32, float16, bfloat16", argument=bad)
     raise ConfigError(f"{name}: {shapes} have different dtypes; both must be one of float32, "
                       f"float16, bfloat16", argument="b")
 
 
-def _out_dtype_error(name, out, code, C, dtypes):
-    c_name = _dtype_label(out, C, dtypes and dtypes[2])
-    raise ConfigError(f"{name}: out of shape {_shape(C[1])} is {c_name} but a and b are "
+def _out_dtype_error(name, out, code, c_desc, dtypes):
+    c_name = _dtype_label(out, c_desc[1], dtypes and dtypes[2])
+    raise ConfigError(f"{name}: out of shape {_shape(c_desc[0])} is {c_name} but a and b are "
                       f"{NAMES[code]}; out must have their dtype", argument="out")
 
 
-def _dtype_label(obj, desc, given):
+def _dtype_label(obj, code, given):
     if given:
         return given
-    if desc[3] is not None:
-        return NAMES[desc[3]]
+    if code is not None:
+        return NAMES[code]
     dtype = getattr(obj, "dtype", None)
     return str(dtype).rpartition(".")[2] if dtype is not None else "unknown dtype"
 
