@@ -11,3 +11,4 @@ from libcpp.vector cimport vector
 cdef int raise_inferctx_error() except -1
 
 include "_decl_plan.pxi"
+include "_decl_gpu.pxi"

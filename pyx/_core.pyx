@@ -5,3 +5,9 @@ from inferctx import errors as _errors
 
 include "_errors.pxi"
 include "_planner.pxi"
+include "_dlpack.pxi"
+include "_args.pxi"
+include "_streams.pxi"
+include "_views.pxi"
+include "_context.pxi"
+include "_interop.pxi"

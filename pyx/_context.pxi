@@ -1,0 +1,416 @@
+# Part of _core.pyx: InferenceContext, the Python face of inferctx::InferenceContext.
+
+# device ordinal -> its InferenceContext; contexts live as long as the process, as in C++.
+cdef dict _contexts = {}
+
+
+cdef InferenceContext _context_of(object device):
+    """The context of `device` (None: the calling thread's current device)."""
+    cdef int d = 0
+    cdef int64_t n
+    cdef cudaError_t status
+    if device is None:
+        with nogil:
+            status = cudaGetDevice(&d)
+        if status != cudaSuccess:
+            with nogil:
+                cudaGetLastError()
+            return _create_context(-1)  # raises the runtime's error (NoCudaDeviceError, ...)
+    else:
+        n = _int_arg(device, "device")
+        if not 0 <= n < (1 << 31):
+            raise _ConfigError(f"device: got {device!r}; it must be a device ordinal >= 0 (or "
+                               f"None for the current device)", argument="device")
+        d = <int>n
+    found = _contexts.get(d)
+    if found is not None:
+        return <InferenceContext>found
+    return _create_context(d)
+
+
+cdef InferenceContext _create_context(int device):
+    cdef shared_ptr[CppInferenceContext] owner
+    with nogil:
+        owner = CppInferenceContext.instance(device)
+    cdef int d = owner.get().device()
+    found = _contexts.get(d)
+    if found is not None:
+        return <InferenceContext>found
+    cdef InferenceContext ctx = InferenceContext.__new__(InferenceContext)
+    ctx._owner = owner
+    ctx._c = owner.get()
+    ctx.device = d
+    with nogil:
+        ctx._handshake.reset(new CppEvent(d, False))
+    # Another thread may have made one meanwhile: every caller gets the same object.
+    return <InferenceContext>_contexts.setdefault(d, ctx)
+
+
+cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t producer,
+                                   cudaStream_t consumer) noexcept nogil:
+    # On `device`, which the special handles (legacy, per-thread) refer to; the caller's device
+    # is restored.
+    cdef int previous = -1
+    cdef cudaError_t status = cudaGetDevice(&previous)
+    if status != cudaSuccess:
+        return status
+    if previous != device:
+        status = cudaSetDevice(device)
+        if status != cudaSuccess:
+            return status
+    status = cudaEventRecord(event, producer)
+    if status == cudaSuccess:
+        status = cudaStreamWaitEvent(consumer, event, 0)
+    if previous != device:
+        cudaSetDevice(previous)
+    return status
+
+
+cdef bint _same_arguments(tuple a, tuple b):
+    """Equal values of equal types (True is not 1): the coerced request would be the same."""
+    for x, y in zip(a, b):
+        if x is not y and (type(x) is not type(y) or x != y):
+            return False
+    return True
+
+
+cdef dict _fields_of(const PlanRequest& r):
+    """The planner's request as the dict WorkspacePlan takes (the inverse of make_request)."""
+    return {
+        "num_layers": r.shape.num_layers,
+        "num_heads": r.shape.num_heads,
+        "hidden_dim": r.shape.hidden_dim,
+        "num_kv_heads": r.shape.num_kv_heads,
+        "batch_size": r.batch_size,
+        "prompt_len": r.prompt_len,
+        "max_out_tokens": r.max_out_tokens,
+        "min_out_tokens": r.min_out_tokens,
+        "dtype": r.dtype,
+        "mp_size": r.mp_size,
+        "rank": r.rank,
+        "external_cache": r.external_cache,
+        "policy": r.policy,
+        "free_bytes": r.free_bytes,
+        "total_bytes": r.total_bytes,
+        "reserve_bytes": r.reserve_bytes if r.has_reserve else None,
+        "memory_limit_bytes": r.memory_limit_bytes if r.has_memory_limit else None,
+        "memory_fraction": r.memory_fraction if r.has_memory_fraction else None,
+    }
+
+
+cdef class InferenceContext:
+    """The GPU resources of one device for transformer inference (DeepSpeed's InferenceContext).
+
+    One per device, from ``InferenceContext.instance(device=None)``. It plans and owns the
+    workspace (activations, KV cache, attention scores), the cuBLAS handle, the compute and
+    communication streams, the generated-token counter and the Philox (seed, offset) state.
+    """
+
+    cdef shared_ptr[CppInferenceContext] _owner
+    cdef CppInferenceContext* _c
+    cdef readonly int device
+    # Stream handshakes of DLPack exports and imports: record on the producer, wait on the
+    # consumer. The lock keeps each record/wait pair together across threads.
+    cdef unique_ptr[CppEvent] _handshake
+    cdef mutex _handshake_lock
+    # The plan as last set through gen_workspace, and the layout the view accessors use.
+    cdef object _plan
+    cdef tuple _last_args  # arguments of the last request (coerced into _last_request)
+    cdef tuple _plan_args  # _last_args when the plan in force was made from it
+    cdef PlanRequest _last_request
+    cdef tuple _logged
+    cdef int _dtype
+    cdef int64_t _num_layers
+    cdef bint _external_cache
+    cdef tuple _kv_shape
+    cdef int64_t _kv_size, _kv_offset, _kv_layer_stride, _kv_value_offset
+    cdef int64_t _workspace_bytes
+    cdef int64_t _activations_offset, _activations_bytes
+    cdef int64_t _scores_offset, _scores_bytes
+    # Python Stream objects handed out, and the external stream object use_stream adopted.
+    cdef Stream _stream_obj
+    cdef Stream _comm_stream_obj
+    cdef object _adopted
+    cdef object __weakref__
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("use InferenceContext.instance(device=None): there is one context per "
+                        "device")
+
+    @classmethod
+    def instance(cls, device=None):
+        """The context of ``device`` (None: the current device), created on first use.
+
+        Raises NoCudaDeviceError without a GPU (planning with ``plan_workspace`` still works),
+        ConfigError for an ordinal that is not a visible device.
+        """
+        return _context_of(device)
+
+    # -- the workspace -------------------------------------------------------------------------
+    def gen_workspace(self, shape, *, batch_size, prompt_len, max_out_tokens, min_out_tokens=1,
+                      dtype="float16", mp_size=1, rank=0, external_cache=False, policy="exact",
+                      reserve_bytes=None, memory_limit_bytes=None, memory_fraction=None):
+        """Plans the workspace against the device's free memory (read now) and allocates it.
+
+        Takes ``plan_workspace``'s arguments except the memory figures, which it measures
+        (memory this context's workspace holds counts as free when no view of it is alive).
+        The allocation is reused when it is large enough; otherwise the new one is allocated
+        before the old is freed. On any failure the previous plan stays in force. Logs the plan
+        (logger "inferctx", INFO, rank 0 only) when it changes.
+
+        Returns
+        -------
+        WorkspacePlan
+        """
+        args = (shape, batch_size, prompt_len, max_out_tokens, min_out_tokens, dtype, mp_size,
+                rank, external_cache, policy, reserve_bytes, memory_limit_bytes, memory_fraction)
+        cdef bint same = self._last_args is not None and _same_arguments(args, self._last_args)
+        if not same:
+            from inferctx import planning
+            fields = planning._request_fields(
+                shape, batch_size=batch_size, prompt_len=prompt_len, max_out_tokens=max_out_tokens,
+                min_out_tokens=min_out_tokens, dtype=dtype, mp_size=mp_size, rank=rank,
+                external_cache=external_cache, policy=policy, free_bytes=0, total_bytes=1,
+                reserve_bytes=reserve_bytes, memory_limit_bytes=memory_limit_bytes,
+                memory_fraction=memory_fraction)
+            self._last_request = make_request(fields)
+            self._last_args = args
+        cdef PlanRequest request = self._last_request
+        cdef WorkspacePlan p
+        with nogil:
+            p = self._c.gen_workspace(request)
+        old = self._plan
+        if (same and self._plan_args is self._last_args and p.request.free_bytes == old.free_bytes
+                and p.request.total_bytes == old.total_bytes):
+            return old  # the plan is a function of the request and the memory figures
+        from inferctx import context, planning
+        plan = planning.WorkspacePlan._from_result(_fields_of(p.request), plan_to_dict(p))
+        self._set_layout(p, plan)
+        self._plan_args = self._last_args
+        logged = (args, p.max_tokens, p.workspace_bytes)
+        if self._logged is None or not _same_arguments(logged, self._logged):
+            self._logged = logged
+            context._log_plan(plan, self.device)
+        return plan
+
+    cdef int _set_layout(self, const WorkspacePlan& p, object plan) except -1:
+        self._plan = plan
+        self._dtype = p.request.dtype
+        self._num_layers = p.request.shape.num_layers
+        self._external_cache = p.request.external_cache
+        self._kv_shape = (p.request.batch_size, p.kv_heads_per_rank, p.max_tokens,
+                          p.head_dim_padded)
+        self._kv_size = p.request.batch_size * p.kv_heads_per_rank * p.max_tokens * p.head_dim_padded
+        self._kv_offset = p.kv_cache_offset
+        self._kv_layer_stride = p.kv_layer_stride
+        self._kv_value_offset = p.kv_value_offset
+        self._workspace_bytes = p.workspace_bytes
+        self._activations_offset = p.activations_offset
+        self._activations_bytes = p.activations_bytes
+        self._scores_offset = p.attention_scores_offset
+        self._scores_bytes = p.attention_scores_bytes
+        return 0
+
+    cdef int _require_plan(self, str what) except -1:
+        if self._plan is None:
+            raise _WorkspaceStateError(f"{what}: no workspace is planned on device {self.device}; "
+                                       f"call gen_workspace(...) first")
+        return 0
+
+    cdef DeviceView _region(self, int64_t offset, int64_t nbytes, int dtype, str what):
+        self._require_plan(what)
+        cdef shared_ptr[DeviceAllocation] ws = self._c.workspace()
+        cdef int64_t n = nbytes // _DTYPE_ITEMSIZE[dtype]
+        return _make_view(ws, offset, (n,), n, dtype, self)
+
+    @property
+    def plan(self):
+        """The WorkspacePlan in force (WorkspaceStateError before gen_workspace)."""
+        self._require_plan("plan")
+        return self._plan
+
+    @property
+    def workspace(self):
+        """The whole workspace as a 1-D uint8 DeviceView of ``workspace_bytes``."""
+        return self._region(0, self._workspace_bytes, DT_UINT8, "workspace")
+
+    @property
+    def workspace_bytes(self):
+        """Bytes of the planned workspace (0 before gen_workspace)."""
+        return self._workspace_bytes if self._plan is not None else 0
+
+    @property
+    def activations(self):
+        """The activations region as a 1-D DeviceView in the plan's dtype."""
+        return self._region(self._activations_offset, self._activations_bytes, self._dtype,
+                            "activations")
+
+    @property
+    def attention_scores(self):
+        """The attention-scores region (DeepSpeed's unfused attention workspace), 1-D, in the
+        plan's dtype."""
+        return self._region(self._scores_offset, self._scores_bytes, self._dtype,
+                            "attention_scores")
+
+    def kv_cache(self, layer):
+        """(K, V) of ``layer``: 4-D DeviceViews [batch, kv_heads/mp, max_tokens, head_dim_padded]
+        in the plan's dtype."""
+        cdef int64_t l = _int_arg(layer, "layer")
+        self._require_plan("kv_cache")
+        if self._external_cache:
+            raise _WorkspaceStateError(
+                "kv_cache: the plan in force has external_cache=True, so the workspace holds no "
+                "KV cache; plan with external_cache=False to have one")
+        if l < 0 or l >= self._num_layers:
+            raise _ConfigError(f"layer: got {l}; valid: 0..{self._num_layers - 1} (the plan's "
+                               f"num_layers is {self._num_layers})", argument="layer")
+        cdef shared_ptr[DeviceAllocation] ws = self._c.workspace()
+        cdef int64_t key = self._kv_offset + l * self._kv_layer_stride
+        return (_make_view(ws, key, self._kv_shape, self._kv_size, self._dtype, self),
+                _make_view(ws, key + self._kv_value_offset, self._kv_shape, self._kv_size,
+                           self._dtype, self))
+
+    @property
+    def max_token_length(self):
+        """Tokens the KV cache holds (the plan's max_tokens; 0 before gen_workspace)."""
+        return self._c.max_token_length()
+
+    @property
+    def released(self):
+        """True after release_workspace, until retake_workspace or gen_workspace."""
+        return self._c.released()
+
+    @property
+    def views_alive(self):
+        """Views of the workspace alive now (DeviceViews, DLPack capsules, arrays made from them)."""
+        return self._c.views_alive()
+
+    def release_workspace(self, force=False):
+        """Frees the workspace, keeping the plan.
+
+        With views of it alive this raises WorkspaceInUseError, unless ``force=True``: the context
+        then forgets the allocation now and the last view frees it.
+        """
+        cdef bint f = _bool_arg(force, "force")
+        with nogil:
+            self._c.release_workspace(f)
+
+    def retake_workspace(self):
+        """Allocates the released workspace again for the plan in force; False when out of memory."""
+        cdef bint ok
+        with nogil:
+            ok = self._c.retake_workspace()
+        return ok
+
+    # -- tokens and the Philox state -------------------------------------------------------
+    @property
+    def current_tokens(self):
+        """Tokens generated so far in the current sequence."""
+        return self._c.current_tokens()
+
+    def advance_tokens(self, n=1):
+        """Counts ``n`` more tokens; TokenLimitError if that would pass ``max_token_length``."""
+        self._c.advance_tokens(_int_arg(n, "n"))
+
+    def reset_tokens(self, initial=1):
+        """Starts a new sequence at ``initial`` tokens (0..max_token_length)."""
+        self._c.reset_tokens(_int_arg(initial, "initial"))
+
+    def increment_offset(self, increment):
+        """Returns (seed, offset) to use now and advances the Philox offset by ``increment``
+        rounded up to a multiple of 4. Thread-safe: concurrent callers get disjoint ranges."""
+        cdef pair[uint64_t, uint64_t] state = self._c.increment_offset(
+            _uint64_arg(increment, "increment"))
+        return (state.first, state.second)
+
+    def set_seed(self, seed):
+        """Sets the Philox seed and resets the offset to 0."""
+        self._c.set_seed(_uint64_arg(seed, "seed"))
+
+    @property
+    def rng_state(self):
+        """(seed, offset) of the Philox state now."""
+        return (self._c.philox().seed(), self._c.philox().offset())
+
+    # -- streams and cuBLAS --------------------------------------------------------------------
+    @property
+    def stream(self):
+        """The compute stream (the context's own, or the one use_stream adopted)."""
+        cdef uintptr_t handle = <uintptr_t>self._c.stream()
+        if self._stream_obj is None or self._stream_obj._handle != handle:
+            self._stream_obj = _borrowed_stream(handle, self.device,
+                                                self if self._adopted is None else self._adopted)
+        return self._stream_obj
+
+    @property
+    def comm_stream(self):
+        """The communication stream."""
+        if self._comm_stream_obj is None:
+            self._comm_stream_obj = _borrowed_stream(<uintptr_t>self._c.comm_stream(), self.device,
+                                                     self)
+        return self._comm_stream_obj
+
+    def use_stream(self, stream):
+        """Makes ``stream`` the compute stream (cuBLAS follows); None goes back to the context's own.
+
+        ``stream``: an inferctx.Stream, a torch.cuda.Stream (``.cuda_stream``), a cupy stream
+        (``.ptr``), anything with ``__cuda_stream__``, or a handle (int; 0 is the legacy default
+        stream). It must be a stream of this context's device; the object is kept alive while
+        it is in use.
+        """
+        cdef uintptr_t handle = 0
+        if stream is not None:
+            handle = _stream_handle(stream, "stream")
+        with nogil:
+            self._c.use_stream(<cudaStream_t>handle)
+        self._adopted = stream
+
+    def sync_comp(self):
+        """The comm stream waits (on the GPU) for the work queued so far on the compute stream."""
+        with nogil:
+            self._c.sync_comp()
+
+    def sync_comm(self):
+        """The compute stream waits (on the GPU) for the work queued so far on the comm stream."""
+        with nogil:
+            self._c.sync_comm()
+
+    @property
+    def cublas_handle(self):
+        """The cublasHandle_t as an int, bound to the compute stream."""
+        return <uintptr_t>self._c.cublas().get()
+
+    @property
+    def multiprocessor_count(self):
+        return self._c.multiprocessor_count()
+
+    @property
+    def compute_capability(self):
+        """(major, minor), e.g. (9, 0) on an H100/H200."""
+        cdef int cc = self._c.compute_capability()
+        return (cc // 10, cc % 10)
+
+    cdef int _order(self, uintptr_t producer, uintptr_t consumer) except -1:
+        """Makes `consumer` wait on the GPU for the work queued so far on `producer`."""
+        if producer == consumer:
+            return 0
+        cdef cudaError_t status
+        cdef CppEvent* event = self._handshake.get()
+        with nogil:
+            self._handshake_lock.lock()
+            status = _record_then_wait(self.device, event.handle(), <cudaStream_t>producer,
+                                       <cudaStream_t>consumer)
+            self._handshake_lock.unlock()
+        if status != cudaSuccess:
+            check_cuda(status, "cudaEventRecord + cudaStreamWaitEvent (stream handshake)",
+                       self.device)
+        return 0
+
+    def __repr__(self):
+        if self._plan is None:
+            state = "no workspace"
+        elif self._c.released():
+            state = f"workspace released ({self._plan.max_tokens} tokens planned)"
+        else:
+            state = f"workspace {self._workspace_bytes} bytes, {self._plan.max_tokens} tokens"
+        return f"<inferctx.InferenceContext device={self.device}: {state}>"

@@ -1,0 +1,143 @@
+# extern declarations of inferctx_core's GPU resources (cuda/include/inferctx: memory, stream,
+# blas, philox, context, cuda_check) and of the few CUDA runtime calls pyx/ makes itself (each
+# checked with check_cuda). Included by _core.pxd. The C++ classes whose names the Python
+# classes take are declared as Cpp*.
+
+from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t
+from libcpp.memory cimport shared_ptr, unique_ptr
+from libcpp.mutex cimport mutex
+from libcpp.utility cimport pair
+
+
+cdef extern from "cuda_runtime_api.h" nogil:
+    ctypedef enum cudaError_t:
+        cudaSuccess
+        cudaErrorNotReady
+
+    ctypedef void* cudaStream_t
+    ctypedef void* cudaEvent_t
+    # Special handles: (cudaStream_t)0x1 and (cudaStream_t)0x2.
+    cudaStream_t cudaStreamLegacy
+    cudaStream_t cudaStreamPerThread
+
+    ctypedef enum cudaMemoryType:
+        cudaMemoryTypeUnregistered
+        cudaMemoryTypeHost
+        cudaMemoryTypeDevice
+        cudaMemoryTypeManaged
+
+    ctypedef struct cudaPointerAttributes:
+        cudaMemoryType type
+        int device
+
+    cudaError_t cudaGetDevice(int* device)
+    cudaError_t cudaSetDevice(int device)
+    cudaError_t cudaGetLastError()
+    cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
+    cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags)
+    cudaError_t cudaEventSynchronize(cudaEvent_t event)
+    cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attributes, const void* ptr)
+
+
+cdef extern from "cublas_v2.h" nogil:
+    ctypedef void* cublasHandle_t
+
+
+cdef extern from "inferctx/cuda_check.hpp" namespace "inferctx" nogil:
+    void check_cuda(cudaError_t status, const char* call, int device) except +raise_inferctx_error
+    void check_device_ordinal(int device) except +raise_inferctx_error
+
+
+cdef extern from "inferctx/memory.hpp" namespace "inferctx" nogil:
+    cdef cppclass DeviceAllocation:
+        DeviceAllocation(int device, int64_t bytes) except +raise_inferctx_error
+        void* data()
+        int64_t size()
+        int device()
+
+    cdef cppclass PinnedAllocation:
+        PinnedAllocation(int64_t bytes) except +raise_inferctx_error
+        void* data()
+        int64_t size()
+
+    void copy_async(void* dst, const void* src, int64_t bytes, void* stream,
+                    int device) except +raise_inferctx_error
+
+
+cdef extern from "inferctx/stream.hpp" namespace "inferctx" nogil:
+    cdef cppclass CppStream "inferctx::Stream":
+        CppStream()
+        @staticmethod
+        CppStream create(int device) except +raise_inferctx_error
+        @staticmethod
+        CppStream borrow(cudaStream_t handle, int device) except +raise_inferctx_error
+        cudaStream_t handle()
+        bool owned()
+        int device()
+        void synchronize() except +raise_inferctx_error
+
+    cdef cppclass CppEvent "inferctx::Event":
+        CppEvent(int device, bool timing) except +raise_inferctx_error
+        cudaEvent_t handle()
+        int device()
+        bool timing()
+        void record(cudaStream_t stream) except +raise_inferctx_error
+        void make_wait(cudaStream_t stream) except +raise_inferctx_error
+        bool query() except +raise_inferctx_error
+        void synchronize() except +raise_inferctx_error
+        float elapsed_ms_since(const CppEvent& start) except +raise_inferctx_error
+
+
+cdef extern from "inferctx/blas.hpp" namespace "inferctx" nogil:
+    cdef cppclass CublasHandle:
+        cublasHandle_t get()
+        void* workspace()
+        int64_t workspace_bytes()
+        int device()
+        cudaStream_t stream()
+        void set_tf32(bool enabled) except +raise_inferctx_error
+        bool tf32()
+
+
+cdef extern from "inferctx/philox.hpp" namespace "inferctx" nogil:
+    cdef cppclass PhiloxState:
+        pair[uint64_t, uint64_t] increment_offset(uint64_t increment) except +raise_inferctx_error
+        void set_seed(uint64_t seed)
+        uint64_t seed()
+        uint64_t offset()
+
+
+cdef extern from "inferctx/context.hpp" namespace "inferctx" nogil:
+    cdef cppclass CppInferenceContext "inferctx::InferenceContext":
+        @staticmethod
+        shared_ptr[CppInferenceContext] instance(int device) except +raise_inferctx_error
+
+        int device()
+        int multiprocessor_count()
+        int compute_capability()
+
+        WorkspacePlan gen_workspace(const PlanRequest& request) except +raise_inferctx_error
+        bool has_plan()
+        WorkspacePlan plan() except +raise_inferctx_error
+        shared_ptr[DeviceAllocation] workspace() except +raise_inferctx_error
+        int64_t workspace_bytes()
+        int64_t max_token_length()
+        bool released()
+        int64_t views_alive()
+        void release_workspace(bool force) except +raise_inferctx_error
+        bool retake_workspace() except +raise_inferctx_error
+
+        int64_t current_tokens()
+        void advance_tokens(int64_t n) except +raise_inferctx_error
+        void reset_tokens(int64_t initial) except +raise_inferctx_error
+
+        cudaStream_t stream()
+        cudaStream_t comm_stream()
+        void use_stream(cudaStream_t external) except +raise_inferctx_error
+        void sync_comp() except +raise_inferctx_error
+        void sync_comm() except +raise_inferctx_error
+
+        pair[uint64_t, uint64_t] increment_offset(uint64_t increment) except +raise_inferctx_error
+        void set_seed(uint64_t seed)
+        const PhiloxState& philox()
+        CublasHandle& cublas()

@@ -1,0 +1,275 @@
+# Part of _core.pyx: the DLPack 1.x ABI and the capsules that carry it (export and import).
+#
+# The structs are declared here rather than taken from dlpack.h. Their members, types and order
+# are those of the DLPack 1.x header, so the C compiler lays them out exactly as every other
+# DLPack user does (DLTensor is 48 bytes; the enum DLDeviceType is an int, hence int32_t).
+
+from cpython.bool cimport PyBool_Check
+from cpython.pycapsule cimport PyCapsule_New, PyCapsule_Destructor
+from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
+from libc.stdlib cimport free, malloc
+
+# The error classes raised from here on (module-private names, not attributes of _core).
+cdef object _ConfigError = _errors.ConfigError
+cdef object _WorkspaceStateError = _errors.WorkspaceStateError
+
+
+cdef extern from "Python.h":
+    # Without exception checks: these run inside capsule destructors, which may not raise.
+    bint _capsule_is_valid "PyCapsule_IsValid"(PyObject* capsule, const char* name)
+    void* _capsule_pointer "PyCapsule_GetPointer"(PyObject* capsule, const char* name)
+    int PyCapsule_SetName(object capsule, const char* name) except -1
+
+
+cdef enum:
+    # DLDeviceType
+    kDLCPU = 1
+    kDLCUDA = 2
+    kDLCUDAHost = 3
+    kDLCUDAManaged = 13
+    # DLDataTypeCode
+    kDLInt = 0
+    kDLUInt = 1
+    kDLFloat = 2
+    kDLBfloat = 4
+    kDLBool = 6
+    # DLManagedTensorVersioned.flags
+    DLPACK_FLAG_BITMASK_READ_ONLY = 1
+    DLPACK_FLAG_BITMASK_IS_COPIED = 2
+    # The DLPack version this module exports (it uses nothing newer than 1.0).
+    DLPACK_EXPORT_MAJOR = 1
+    DLPACK_EXPORT_MINOR = 0
+
+
+cdef struct DLDevice:
+    int32_t device_type
+    int32_t device_id
+
+
+cdef struct DLDataType:
+    uint8_t code
+    uint8_t bits
+    uint16_t lanes
+
+
+cdef struct DLTensor:
+    void* data
+    DLDevice device
+    int32_t ndim
+    DLDataType dtype
+    int64_t* shape
+    int64_t* strides
+    uint64_t byte_offset
+
+
+cdef struct DLManagedTensor:
+    DLTensor dl_tensor
+    void* manager_ctx
+    void (*deleter)(DLManagedTensor* self) noexcept nogil
+
+
+cdef struct DLPackVersion:
+    uint32_t major
+    uint32_t minor
+
+
+cdef struct DLManagedTensorVersioned:
+    DLPackVersion version
+    void* manager_ctx
+    void (*deleter)(DLManagedTensorVersioned* self) noexcept nogil
+    uint64_t flags
+    DLTensor dl_tensor
+
+
+# Capsule names of the DLPack Python specification (static storage, as it requires).
+cdef const char* _DLTENSOR = b"dltensor"
+cdef const char* _DLTENSOR_VERSIONED = b"dltensor_versioned"
+cdef const char* _USED_DLTENSOR = b"used_dltensor"
+cdef const char* _USED_DLTENSOR_VERSIONED = b"used_dltensor_versioned"
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: the managed tensor and its shape/strides arrays live in one malloc'd block whose
+# manager_ctx holds a reference to the Python object that owns the memory.
+
+cdef void _delete_managed(DLManagedTensor* managed) noexcept with gil:
+    # Consumers call deleters from any thread, with or without the GIL.
+    if managed != NULL:
+        Py_XDECREF(<PyObject*>managed.manager_ctx)
+        free(managed)
+
+
+cdef void _delete_managed_versioned(DLManagedTensorVersioned* managed) noexcept with gil:
+    if managed != NULL:
+        Py_XDECREF(<PyObject*>managed.manager_ctx)
+        free(managed)
+
+
+cdef void _capsule_destructor(PyObject* capsule) noexcept:
+    # Runs when a capsule dies; a consumed capsule was renamed and its consumer owns the tensor.
+    cdef DLManagedTensor* managed
+    if _capsule_is_valid(capsule, _DLTENSOR):
+        managed = <DLManagedTensor*>_capsule_pointer(capsule, _DLTENSOR)
+        if managed.deleter != NULL:
+            managed.deleter(managed)
+
+
+cdef void _capsule_destructor_versioned(PyObject* capsule) noexcept:
+    cdef DLManagedTensorVersioned* managed
+    if _capsule_is_valid(capsule, _DLTENSOR_VERSIONED):
+        managed = <DLManagedTensorVersioned*>_capsule_pointer(capsule, _DLTENSOR_VERSIONED)
+        if managed.deleter != NULL:
+            managed.deleter(managed)
+
+
+cdef object _export_capsule(object owner, void* data, int32_t device_type, int32_t device_id,
+                            tuple shape, int dtype, bint versioned, uint64_t flags):
+    """A DLPack capsule of the C-contiguous array `shape` x `dtype` at `data`, kept alive by
+    `owner`. Strides are always filled in (the specification recommends it)."""
+    cdef Py_ssize_t ndim = len(shape)
+    cdef size_t head = sizeof(DLManagedTensorVersioned) if versioned else sizeof(DLManagedTensor)
+    cdef char* block = <char*>malloc(head + 2 * <size_t>ndim * sizeof(int64_t))
+    if block == NULL:
+        raise MemoryError("__dlpack__: out of host memory for the DLPack tensor")
+    cdef DLManagedTensorVersioned* versioned_tensor
+    cdef DLManagedTensor* legacy_tensor
+    cdef DLTensor* tensor
+    cdef int64_t stride = 1
+    cdef Py_ssize_t i
+    if versioned:
+        versioned_tensor = <DLManagedTensorVersioned*>block
+        versioned_tensor.version.major = DLPACK_EXPORT_MAJOR
+        versioned_tensor.version.minor = DLPACK_EXPORT_MINOR
+        versioned_tensor.manager_ctx = <void*>owner
+        versioned_tensor.deleter = _delete_managed_versioned
+        versioned_tensor.flags = flags
+        tensor = &versioned_tensor.dl_tensor
+    else:
+        legacy_tensor = <DLManagedTensor*>block
+        legacy_tensor.manager_ctx = <void*>owner
+        legacy_tensor.deleter = _delete_managed
+        tensor = &legacy_tensor.dl_tensor
+    tensor.data = data
+    tensor.device.device_type = device_type
+    tensor.device.device_id = device_id
+    tensor.ndim = <int32_t>ndim
+    tensor.dtype.code = _DTYPE_DLPACK_CODE[dtype]
+    tensor.dtype.bits = _DTYPE_BITS[dtype]
+    tensor.dtype.lanes = 1
+    tensor.byte_offset = 0
+    # Both structs are multiples of 8 bytes, so the arrays after them are aligned.
+    tensor.shape = <int64_t*>(block + head)
+    tensor.strides = tensor.shape + ndim
+    try:
+        for i in range(ndim - 1, -1, -1):
+            tensor.shape[i] = <int64_t>shape[i]
+            tensor.strides[i] = stride
+            stride *= tensor.shape[i]
+        capsule = PyCapsule_New(
+            block, _DLTENSOR_VERSIONED if versioned else _DLTENSOR,
+            <PyCapsule_Destructor>(_capsule_destructor_versioned if versioned else _capsule_destructor))
+    except BaseException:
+        free(block)
+        raise
+    # Only now that the capsule exists does the tensor own a reference.
+    Py_INCREF(owner)
+    return capsule
+
+
+# ---------------------------------------------------------------------------------------------
+# Import: a consumed capsule is renamed, and the tensor's deleter is called when the last
+# CudaArray built from it is gone.
+
+cdef class _DLPackImport:
+    """Owns a DLPack tensor taken from a capsule; calls the producer's deleter when it dies."""
+
+    cdef void* managed
+    cdef bint versioned
+
+    def __init__(self):
+        raise TypeError("_DLPackImport objects are made by inferctx only")
+
+    def __dealloc__(self):
+        cdef DLManagedTensorVersioned* versioned_tensor
+        cdef DLManagedTensor* legacy_tensor
+        if self.managed == NULL:
+            return
+        if self.versioned:
+            versioned_tensor = <DLManagedTensorVersioned*>self.managed
+            if versioned_tensor.deleter != NULL:
+                versioned_tensor.deleter(versioned_tensor)
+        else:
+            legacy_tensor = <DLManagedTensor*>self.managed
+            if legacy_tensor.deleter != NULL:
+                legacy_tensor.deleter(legacy_tensor)
+        self.managed = NULL
+
+
+cdef _DLPackImport _consume_capsule(object capsule, object producer, str argument):
+    """Takes ownership of the tensor in a DLPack capsule (renaming it to used_*)."""
+    cdef _DLPackImport taken = _DLPackImport.__new__(_DLPackImport)
+    cdef DLManagedTensorVersioned* versioned_tensor
+    cdef PyObject* raw = <PyObject*>capsule
+    if _capsule_is_valid(raw, _DLTENSOR_VERSIONED):
+        versioned_tensor = <DLManagedTensorVersioned*>_capsule_pointer(raw, _DLTENSOR_VERSIONED)
+        if versioned_tensor.version.major != 1:
+            raise BufferError(
+                f"{argument}: its DLPack tensor has version {versioned_tensor.version.major}."
+                f"{versioned_tensor.version.minor}; inferctx reads DLPack 1.x")
+        PyCapsule_SetName(capsule, _USED_DLTENSOR_VERSIONED)
+        taken.versioned = True
+        taken.managed = versioned_tensor
+    elif _capsule_is_valid(raw, _DLTENSOR):
+        taken.managed = _capsule_pointer(raw, _DLTENSOR)
+        PyCapsule_SetName(capsule, _USED_DLTENSOR)
+        taken.versioned = False
+    else:
+        raise _ConfigError(
+            f"{argument}: {_type_name(producer)}.__dlpack__() returned {capsule!r}, not an unused "
+            f"DLPack capsule ('dltensor' or 'dltensor_versioned')", argument=argument)
+    return taken
+
+
+cdef inline DLTensor* _import_tensor(_DLPackImport taken) noexcept:
+    if taken.versioned:
+        return &(<DLManagedTensorVersioned*>taken.managed).dl_tensor
+    return &(<DLManagedTensor*>taken.managed).dl_tensor
+
+
+cdef inline uint64_t _import_flags(_DLPackImport taken) noexcept:
+    return (<DLManagedTensorVersioned*>taken.managed).flags if taken.versioned else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments of __dlpack__ shared by DeviceView and PinnedBuffer.
+
+cdef bint _wants_versioned(object max_version) except -1:
+    """True when the consumer takes DLPack >= 1.0 capsules (the spec's max_version)."""
+    if max_version is None:
+        return False
+    if not isinstance(max_version, tuple) or len(max_version) != 2:
+        raise TypeError(f"max_version: got {max_version!r}; the DLPack spec passes None or a "
+                        f"(major, minor) tuple")
+    return max_version[0] >= 1
+
+
+cdef int _copy_mode(object copy) except -2:
+    """-1: copy=None (only if needed), 0: copy=False (never), 1: copy=True (always)."""
+    if copy is None:
+        return -1
+    if copy is True:
+        return 1
+    if copy is False:
+        return 0
+    raise _ConfigError(f"copy: got {copy!r}; valid: None, True or False", argument="copy")
+
+
+cdef tuple _dl_device_arg(object dl_device):
+    """(device_type, device_id) of a dl_device argument, or None."""
+    if dl_device is None:
+        return None
+    if (not isinstance(dl_device, tuple) or len(dl_device) != 2
+            or PyBool_Check(dl_device[0]) or PyBool_Check(dl_device[1])):
+        raise BufferError(f"dl_device: got {dl_device!r}; the DLPack spec passes a "
+                          f"(device_type, device_id) tuple such as (1, 0) for the CPU")
+    return (int(dl_device[0]), int(dl_device[1]))

@@ -1,0 +1,219 @@
+# Part of _core.pyx: CudaArray, the form in which kernels take their arrays. Any CUDA array
+# (a DeviceView, a DLPack exporter, a __cuda_array_interface__ exporter) is reduced to a
+# pointer, a shape, strides in elements, a dtype and an owner that keeps the memory alive.
+
+cdef class CudaArray:
+    """A CUDA array as a kernel takes it; ``owner`` keeps the memory alive.
+
+    ``strides`` count elements and are always filled in. For a DLPack import ``owner`` holds the
+    consumed tensor and calls its producer's deleter when the CudaArray (and anything holding the
+    owner) is gone; otherwise it is the object the array came from.
+    """
+
+    cdef readonly uintptr_t ptr
+    cdef readonly tuple shape
+    cdef readonly tuple strides
+    cdef readonly str dtype
+    cdef readonly int itemsize
+    cdef readonly int device
+    cdef readonly int64_t size
+    cdef readonly int64_t nbytes
+    cdef readonly bint contiguous
+    cdef readonly bint read_only
+    cdef readonly object owner
+    cdef int _dtype  # index into the dtype table (DT_FLOAT16, ...)
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("CudaArray objects are made by inferctx._core._as_cuda_array")
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def __repr__(self):
+        return (f"<inferctx.CudaArray {self.dtype}{list(self.shape)} strides={self.strides} "
+                f"on cuda:{self.device} at {self.ptr:#x}>")
+
+
+cdef tuple _contiguous_strides(tuple shape):
+    strides = []
+    cdef int64_t stride = 1
+    for n in reversed(shape):
+        strides.append(stride)
+        stride *= n
+    strides.reverse()
+    return tuple(strides)
+
+
+cdef bint _is_contiguous(tuple shape, tuple strides):
+    """C-contiguous: strides (elements) of the packed layout, ignoring sizes of 1."""
+    cdef int64_t expected = 1
+    cdef Py_ssize_t i
+    for i in range(len(shape) - 1, -1, -1):
+        n = shape[i]
+        if n == 0:
+            return True
+        if n != 1 and strides[i] != expected:
+            return False
+        expected *= n
+    return True
+
+
+cdef CudaArray _cuda_array(uintptr_t ptr, tuple shape, tuple strides, int dtype, int device,
+                           object owner, bint read_only):
+    cdef CudaArray a = CudaArray.__new__(CudaArray)
+    cdef int64_t size = 1
+    for n in shape:
+        size *= <int64_t>n
+    a.ptr = ptr
+    a.shape = shape
+    a.strides = strides
+    a._dtype = dtype
+    a.dtype = _DTYPE_NAMES[dtype]
+    a.itemsize = <int>_DTYPE_ITEMSIZE[dtype]
+    a.device = device
+    a.size = size
+    a.nbytes = size * _DTYPE_ITEMSIZE[dtype]
+    a.contiguous = _is_contiguous(shape, strides)
+    a.read_only = read_only
+    a.owner = owner
+    return a
+
+
+cdef str _not_cuda(object obj, str argument, str where):
+    return (f"{argument} must be a CUDA array (DLPack or __cuda_array_interface__); got a "
+            f"{_type_name(obj)} {where}. Put it on the GPU first, e.g. torch.as_tensor(x, "
+            f"device='cuda') or cupy.asarray(x)")
+
+
+cdef str _device_words(int device_type):
+    if device_type == kDLCPU:
+        return "on the CPU (DLPack device kDLCPU)"
+    if device_type == kDLCUDAHost:
+        return ("in pinned host memory (DLPack device kDLCUDAHost); a DeviceView's "
+                "copy_from_host copies a PinnedBuffer to the GPU")
+    return f"on DLPack device type {device_type}, which is not CUDA"
+
+
+cdef CudaArray as_cuda_array(object obj, str argument, uintptr_t stream):
+    """`obj` as a CudaArray, for a kernel that runs on `stream`.
+
+    `stream` is the handle of the stream the kernel will run on: the producer's pending work
+    is ordered before it (DeviceView: an event handshake with its context's compute stream;
+    DLPack: passed as __dlpack__'s stream; __cuda_array_interface__: its "stream" is waited
+    for). 0 asks for no ordering (the caller synchronises). Raises ConfigError naming
+    `argument` for anything that is not CUDA memory.
+    """
+    if isinstance(obj, DeviceView):
+        return _from_device_view(<DeviceView>obj, stream)
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj, argument, stream)
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _from_cuda_array_interface(obj, argument, stream)
+    raise _ConfigError(_not_cuda(obj, argument, "with neither __dlpack__ nor "
+                                                "__cuda_array_interface__"), argument=argument)
+
+
+cdef CudaArray _from_device_view(DeviceView view, uintptr_t stream):
+    if stream != 0:
+        view._ctx._order(<uintptr_t>view._ctx._c.stream(), stream)
+    return _cuda_array(view._ptr, view._shape, _contiguous_strides(view._shape), view._dtype,
+                       view._device, view, False)
+
+
+cdef CudaArray _from_dlpack(object obj, str argument, uintptr_t stream):
+    dlpack_device = getattr(obj, "__dlpack_device__", None)
+    if dlpack_device is not None:
+        device_type = int(dlpack_device()[0])
+        if device_type != kDLCUDA and device_type != kDLCUDAManaged:
+            raise _ConfigError(_not_cuda(obj, argument, _device_words(device_type)),
+                               argument=argument)
+    # The DLPack spec: None would mean the legacy stream; -1 asks the producer not to sync.
+    cdef object consumer = -1
+    if stream != 0:
+        consumer = stream
+    try:
+        capsule = obj.__dlpack__(stream=consumer, max_version=(1, 0))
+    except TypeError:  # a producer older than DLPack 1.0
+        capsule = obj.__dlpack__(stream=consumer)
+    cdef _DLPackImport taken = _consume_capsule(capsule, obj, argument)
+    cdef DLTensor* tensor = _import_tensor(taken)
+    if tensor.device.device_type != kDLCUDA and tensor.device.device_type != kDLCUDAManaged:
+        raise _ConfigError(_not_cuda(obj, argument, _device_words(tensor.device.device_type)),
+                           argument=argument)
+    dtype = _DTYPE_BY_DLPACK.get((tensor.dtype.code, tensor.dtype.bits))
+    if dtype is None or tensor.dtype.lanes != 1:
+        raise _ConfigError(
+            f"{argument}: its DLPack dtype (code {tensor.dtype.code}, {tensor.dtype.bits} bits, "
+            f"{tensor.dtype.lanes} lanes) is not one inferctx handles: {', '.join(_DTYPE_NAMES)}",
+            argument=argument)
+    cdef int ndim = tensor.ndim
+    cdef int i
+    shape = tuple([tensor.shape[i] for i in range(ndim)])
+    if tensor.strides == NULL:  # allowed before DLPack 1.2: C-contiguous
+        strides = _contiguous_strides(shape)
+    else:
+        strides = tuple([tensor.strides[i] for i in range(ndim)])
+    return _cuda_array(<uintptr_t>tensor.data + <uintptr_t>tensor.byte_offset, shape, strides,
+                       dtype, tensor.device.device_id, taken,
+                       (_import_flags(taken) & DLPACK_FLAG_BITMASK_READ_ONLY) != 0)
+
+
+cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t stream):
+    interface = obj.__cuda_array_interface__
+    if not isinstance(interface, dict):
+        raise _ConfigError(f"{argument}: {_type_name(obj)}.__cuda_array_interface__ is not a dict",
+                           argument=argument)
+    if interface.get("mask") is not None:
+        raise _ConfigError(f"{argument}: masked CUDA arrays (a 'mask' in "
+                           f"__cuda_array_interface__) are not supported", argument=argument)
+    typestr = interface["typestr"]
+    dtype = _DTYPE_BY_TYPESTR.get(typestr[1:]) if typestr[:1] in ("<", "|", "=") else None
+    if dtype is None:
+        raise _ConfigError(f"{argument}: its typestr {typestr!r} is not one inferctx handles "
+                           f"(little-endian {', '.join(_DTYPE_NAMES)})", argument=argument)
+    cdef int64_t itemsize = _DTYPE_ITEMSIZE[<int>dtype]
+    shape = tuple([int(n) for n in interface["shape"]])
+    data, read_only = interface["data"]
+    byte_strides = interface.get("strides")
+    if byte_strides is None:
+        strides = _contiguous_strides(shape)
+    else:
+        if any(s % itemsize for s in byte_strides):
+            raise _ConfigError(f"{argument}: strides {tuple(byte_strides)} (bytes) are not "
+                               f"multiples of the {itemsize}-byte items", argument=argument)
+        strides = tuple([s // itemsize for s in byte_strides])
+    cdef uintptr_t ptr = <uintptr_t>data if data else 0
+    cdef int device = _pointer_device(ptr, obj, argument) if ptr else _device_arg(None)
+    producer = interface.get("stream") if interface.get("version", 0) >= 3 else None
+    if producer is not None and stream != 0:
+        if PyBool_Check(producer) or not isinstance(producer, int) or producer <= 0:
+            raise _ConfigError(f"{argument}: __cuda_array_interface__ 'stream' is {producer!r}; "
+                               f"the interface allows None, 1, 2 or a stream handle",
+                               argument=argument)
+        _context_of(device)._order(<uintptr_t>producer, stream)
+    return _cuda_array(ptr, shape, strides, dtype, device, obj, True if read_only else False)
+
+
+cdef int _pointer_device(uintptr_t ptr, object obj, str argument) except -1:
+    """The device of a pointer from __cuda_array_interface__, which does not say it."""
+    cdef cudaPointerAttributes attributes
+    cdef cudaError_t status
+    with nogil:
+        status = cudaPointerGetAttributes(&attributes, <const void*>ptr)
+    if status != cudaSuccess:
+        check_cuda(status, "cudaPointerGetAttributes", -1)
+    if attributes.type != cudaMemoryTypeDevice and attributes.type != cudaMemoryTypeManaged:
+        raise _ConfigError(_not_cuda(obj, argument, "whose __cuda_array_interface__ pointer is "
+                                                    "not device memory"), argument=argument)
+    return attributes.device
+
+
+def _as_cuda_array(obj, argument="x", stream=None):
+    """``obj`` as a CudaArray (what the kernels take); ``stream``: the stream to order it
+    before (a stream-like object or handle), None for no ordering."""
+    if not isinstance(argument, str):
+        raise _ConfigError(f"argument: got {argument!r}; it must be the argument's name (str)",
+                           argument="argument")
+    cdef uintptr_t handle = 0 if stream is None else _stream_handle(stream, "stream")
+    return as_cuda_array(obj, argument, handle)

@@ -1,0 +1,436 @@
+"""InferenceContext: one per device, the workspace and its regions, tokens, Philox state,
+release/retake, and the checks on every argument."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import pickle
+import subprocess
+import sys
+import threading
+
+import pytest
+from conftest import gpu_available
+from gpu_context import (ACTIVATIONS_BYTES, KV_SHAPE, KV_TENSOR_BYTES, REQUEST, SCORES_BYTES,
+                         SHAPE, WORKSPACE_BYTES, ctx, plan_small)  # noqa: F401 (fixture)
+
+from inferctx import (ConfigError, NoCudaDeviceError, TokenLimitError, WorkspaceInUseError,
+                      WorkspaceOOMError, WorkspaceStateError, plan_workspace)
+from inferctx import _core
+from inferctx.context import InferenceContext
+
+MIB = 1 << 20
+
+
+# -- without a GPU ----------------------------------------------------------------------------
+
+def test_instance_without_a_gpu_says_planning_works():
+    if gpu_available()[0]:
+        assert InferenceContext.instance() is InferenceContext.instance()
+        return
+    with pytest.raises(NoCudaDeviceError) as info:
+        InferenceContext.instance()
+    text = str(info.value)
+    assert "Planning" in text and "without" in text
+    assert info.value.name and info.value.call
+    clone = pickle.loads(pickle.dumps(info.value))
+    assert type(clone) is NoCudaDeviceError and str(clone) == text and clone.call == info.value.call
+
+
+def test_context_is_not_constructed_directly():
+    with pytest.raises(TypeError, match=r"instance\("):
+        InferenceContext()
+
+
+@pytest.mark.parametrize("device", [True, 1.0, "0", -1])
+def test_instance_rejects_bad_device_before_touching_cuda(device):
+    with pytest.raises(ConfigError) as info:
+        InferenceContext.instance(device)
+    assert info.value.argument == "device" and repr(device) in str(info.value)
+
+
+# -- one context per device -------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_one_context_per_device():
+    current = _core._current_device()
+    ctx0 = InferenceContext.instance()
+    assert ctx0 is InferenceContext.instance(current) and ctx0.device == current
+    assert ctx0.multiprocessor_count > 0 and ctx0.compute_capability >= (7, 0)
+    assert isinstance(ctx0.cublas_handle, int) and ctx0.cublas_handle != 0
+
+
+@pytest.mark.gpu
+def test_instance_rejects_device_not_visible():
+    n = _core._device_count()
+    with pytest.raises(ConfigError) as info:
+        InferenceContext.instance(n)
+    assert info.value.argument == "device" and str(n) in str(info.value)
+
+
+@pytest.mark.gpu
+def test_instance_from_many_threads_gives_one_object():
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(InferenceContext.instance()))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and all(c is got[0] for c in got)
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+def test_each_device_has_its_own_context():
+    if _core._device_count() < 2:
+        pytest.skip("needs two GPUs")
+    a, b = InferenceContext.instance(0), InferenceContext.instance(1)
+    assert a is not b and (a.device, b.device) == (0, 1)
+    assert a.stream.handle != b.stream.handle
+
+
+# -- gen_workspace and the plan ---------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gen_workspace_numbers_by_hand(ctx):
+    p = ctx.plan
+    assert (p.max_tokens, p.bound_by) == (64, "max_out_tokens")
+    assert p.activations_bytes == ACTIVATIONS_BYTES == 1_310_720
+    assert p.kv_tensor_bytes == KV_TENSOR_BYTES == 32_768
+    assert p.attention_scores_bytes == SCORES_BYTES == 131_072
+    assert p.workspace_bytes == ctx.workspace_bytes == WORKSPACE_BYTES == 1_703_936
+    assert ctx.max_token_length == 64 and p.kv_shape == KV_SHAPE
+    # The memory figures are measured, and planning them again gives the same answer.
+    free, total = _core._memory_info(ctx.device)
+    assert p.total_bytes == total and 0 < p.free_bytes <= total
+    again = plan_workspace(SHAPE, **REQUEST, free_bytes=p.free_bytes, total_bytes=p.total_bytes)
+    assert again == p
+
+
+@pytest.mark.gpu
+def test_gen_workspace_reuses_a_fitting_allocation(ctx):
+    ptr = ctx.workspace.ptr
+    smaller = plan_small(ctx, batch_size=1)
+    assert smaller.workspace_bytes < WORKSPACE_BYTES
+    assert ctx.workspace.ptr == ptr and ctx.plan is smaller
+    same = plan_small(ctx, batch_size=1)
+    assert same == smaller and ctx.workspace.ptr == ptr
+
+
+@pytest.mark.gpu
+def test_gen_workspace_that_cannot_fit_keeps_the_previous_plan(ctx):
+    before = ctx.plan
+    k, _ = ctx.kv_cache(0)
+    ptr = k.ptr
+    del k
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_small(ctx, batch_size=1 << 20, prompt_len=4096, max_out_tokens=8192)
+    assert info.value.requested_bytes > info.value.budget_bytes
+    assert ctx.plan is before and ctx.max_token_length == 64
+    assert ctx.kv_cache(0)[0].ptr == ptr
+
+
+@pytest.mark.gpu
+def test_gen_workspace_logs_the_plan_on_rank_0_only(ctx, caplog):
+    with caplog.at_level(logging.INFO, logger="inferctx"):
+        plan_small(ctx, batch_size=3)
+        plan_small(ctx, batch_size=3)  # the same plan: not logged again
+    records = [r for r in caplog.records if r.name == "inferctx"]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert "workspace" in records[0].getMessage() and "cuda:" in records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="inferctx"):
+        plan_small(ctx, mp_size=2, rank=1)
+    assert not [r for r in caplog.records if r.name == "inferctx"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("argument,value", [
+    ("batch_size", True), ("batch_size", 0), ("prompt_len", 1.5), ("max_out_tokens", None),
+    ("dtype", "int4"), ("policy", "fast"), ("mp_size", 3), ("external_cache", 1),
+    ("memory_fraction", 0.0), ("reserve_bytes", -1),
+])
+def test_gen_workspace_names_the_bad_argument(ctx, argument, value):
+    before = ctx.plan
+    with pytest.raises(ConfigError) as info:
+        plan_small(ctx, **{argument: value})
+    assert info.value.argument == argument
+    assert ctx.plan is before
+
+
+@pytest.mark.gpu
+def test_gen_workspace_takes_no_memory_figures(ctx):
+    with pytest.raises(TypeError):
+        plan_small(ctx, free_bytes=1 << 30)
+    with pytest.raises(ConfigError) as info:
+        ctx.gen_workspace("no-such-model", **REQUEST)
+    assert info.value.argument
+
+
+# -- regions and the KV cache -------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_kv_cache_views_sit_where_the_plan_says(ctx):
+    p = ctx.plan
+    ws = ctx.workspace
+    assert (ws.dtype, ws.shape, ws.nbytes) == ("uint8", (WORKSPACE_BYTES,), WORKSPACE_BYTES)
+    for layer in range(SHAPE.num_layers):
+        k, v = ctx.kv_cache(layer)
+        assert k.shape == v.shape == KV_SHAPE and k.dtype == v.dtype == "float16"
+        assert k.ptr == ws.ptr + ACTIVATIONS_BYTES + layer * 2 * KV_TENSOR_BYTES
+        assert v.ptr == k.ptr + KV_TENSOR_BYTES
+        assert k.nbytes == KV_TENSOR_BYTES and k.offset == p.kv_cache_offset + layer * p.kv_layer_stride
+        assert k.strides == (2 * 64 * 64, 64 * 64, 64, 1) and k.device == ctx.device
+    act, scores = ctx.activations, ctx.attention_scores
+    assert act.ptr == ws.ptr and act.nbytes == ACTIVATIONS_BYTES and act.dtype == "float16"
+    assert scores.ptr == ws.ptr + ACTIVATIONS_BYTES + 8 * KV_TENSOR_BYTES
+    assert scores.nbytes == SCORES_BYTES and scores.shape == (SCORES_BYTES // 2,)
+
+
+@pytest.mark.gpu
+def test_kv_cache_follows_dtype_and_gqa(ctx):
+    plan_small(ctx, dtype="bfloat16")
+    k, _ = ctx.kv_cache(3)
+    assert k.dtype == "bfloat16" and k.shape == KV_SHAPE
+    plan_small(ctx, dtype="float32", mp_size=2)
+    k, _ = ctx.kv_cache(0)
+    assert k.dtype == "float32" and k.shape == (2, 1, 64, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [-1, 4, 1 << 40, True, 1.0, "0", None])
+def test_kv_cache_rejects_bad_layers(ctx, layer):
+    with pytest.raises(ConfigError) as info:
+        ctx.kv_cache(layer)
+    assert info.value.argument == "layer"
+
+
+@pytest.mark.gpu
+def test_kv_cache_of_an_external_cache_plan(ctx):
+    plan_small(ctx, external_cache=True)
+    with pytest.raises(WorkspaceStateError, match="external_cache"):
+        ctx.kv_cache(0)
+    assert ctx.workspace_bytes == ACTIVATIONS_BYTES + SCORES_BYTES
+
+
+# -- tokens -----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_tokens_advance_to_the_limit_and_no_further(ctx):
+    ctx.reset_tokens(0)
+    for _ in range(63):
+        ctx.advance_tokens()
+    ctx.advance_tokens(1)
+    assert ctx.current_tokens == 64 == ctx.max_token_length
+    with pytest.raises(TokenLimitError) as info:
+        ctx.advance_tokens()
+    assert (info.value.current, info.value.requested, info.value.limit) == (64, 1, 64)
+    assert ctx.current_tokens == 64
+    ctx.reset_tokens()
+    assert ctx.current_tokens == 1
+    with pytest.raises(TokenLimitError):
+        ctx.advance_tokens(64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method,argument,value", [
+    ("advance_tokens", "n", 0), ("advance_tokens", "n", -3), ("advance_tokens", "n", True),
+    ("advance_tokens", "n", 1.0), ("advance_tokens", "n", "1"),
+    ("reset_tokens", "initial", -1), ("reset_tokens", "initial", 65),
+    ("reset_tokens", "initial", False), ("reset_tokens", "initial", None),
+])
+def test_token_methods_name_the_bad_argument(ctx, method, argument, value):
+    with pytest.raises(ConfigError) as info:
+        getattr(ctx, method)(value)
+    assert info.value.argument == argument
+
+
+# -- Philox state -----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_increment_offset_rounds_up_to_multiples_of_4(ctx):
+    ctx.set_seed(42)
+    assert ctx.rng_state == (42, 0)
+    assert ctx.increment_offset(5) == (42, 0)
+    assert ctx.increment_offset(4) == (42, 8)
+    assert ctx.increment_offset(0) == (42, 12)
+    assert ctx.rng_state == (42, 12)
+    ctx.set_seed((1 << 64) - 1)
+    assert ctx.increment_offset(1) == ((1 << 64) - 1, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method,argument,value", [
+    ("increment_offset", "increment", -1), ("increment_offset", "increment", True),
+    ("increment_offset", "increment", 1 << 64), ("increment_offset", "increment", 4.0),
+    ("set_seed", "seed", -1), ("set_seed", "seed", None), ("set_seed", "seed", "7"),
+])
+def test_philox_methods_name_the_bad_argument(ctx, method, argument, value):
+    ctx.set_seed(1)
+    with pytest.raises(ConfigError) as info:
+        getattr(ctx, method)(value)
+    assert info.value.argument == argument
+    assert ctx.rng_state == (1, 0)
+
+
+@pytest.mark.gpu
+def test_increment_offset_from_16_threads_gives_disjoint_ranges(ctx):
+    ctx.set_seed(7)
+    per_thread, threads = 10_000, 16
+    results = [None] * threads
+
+    def work(i):
+        inc = i % 7 + 1  # 1..7: rounded up to 4 or 8
+        results[i] = [(ctx.increment_offset(inc), inc) for _ in range(per_thread)]
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    ranges = sorted((offset, offset + (inc + 3) // 4 * 4)
+                    for calls in results for (seed, offset), inc in calls if seed == 7)
+    assert len(ranges) == per_thread * threads
+    for (_, end), (start, _) in zip(ranges, ranges[1:]):
+        assert start >= end
+    total = sum((i % 7 + 1 + 3) // 4 * 4 for i in range(threads)) * per_thread
+    assert ranges[-1][1] == total == ctx.rng_state[1]
+
+
+# -- release / retake and lifetimes -------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_release_with_views_alive_raises_then_force_detaches(ctx):
+    k, v = ctx.kv_cache(1)
+    assert ctx.views_alive == 2
+    with pytest.raises(WorkspaceInUseError) as info:
+        ctx.release_workspace()
+    assert info.value.views_alive == 2 and not ctx.released
+    ctx.release_workspace(force=True)
+    assert ctx.released and ctx.views_alive == 0
+    with pytest.raises(WorkspaceStateError, match="retake_workspace"):
+        ctx.kv_cache(0)
+    with pytest.raises(WorkspaceStateError):
+        ctx.workspace
+    assert ctx.plan.max_tokens == 64  # the plan is kept
+    assert ctx.retake_workspace() and not ctx.released
+    assert ctx.kv_cache(1)[0].shape == k.shape
+    del k, v
+
+
+@pytest.mark.gpu
+def test_detached_memory_is_freed_by_the_last_view(ctx):
+    big = plan_small(ctx, batch_size=64, max_out_tokens=512)  # ~0.9 GiB
+    gc.collect()
+    k, _ = ctx.kv_cache(0)
+    before = _core._memory_info(ctx.device)[0]
+    ctx.release_workspace(force=True)
+    assert _core._memory_info(ctx.device)[0] <= before + 2 * MIB  # still held by k
+    del k, _
+    gc.collect()
+    freed = _core._memory_info(ctx.device)[0] - before
+    assert freed >= big.workspace_bytes - 2 * MIB
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("force", [1, "yes", None])
+def test_release_force_must_be_a_bool(ctx, force):
+    with pytest.raises(ConfigError) as info:
+        ctx.release_workspace(force)
+    assert info.value.argument == "force" and not ctx.released
+
+
+@pytest.mark.gpu
+def test_1000_release_retake_cycles_leak_nothing(ctx):
+    plan_small(ctx, batch_size=16)
+    gc.collect()
+    ctx.release_workspace()  # the allocation may be a larger one reused; now it is the plan's
+    assert ctx.retake_workspace()
+    free_before = _core._memory_info(ctx.device)[0]
+    for _ in range(1000):
+        ctx.release_workspace()
+        assert ctx.retake_workspace()
+    free_after = _core._memory_info(ctx.device)[0]
+    assert abs(free_after - free_before) <= 2 * MIB
+
+
+@pytest.mark.gpu
+def test_a_fresh_context_has_no_workspace():
+    # A plan cannot be dropped, so a new process shows the state before gen_workspace.
+    script = (
+        "from inferctx import WorkspaceStateError, TokenLimitError\n"
+        "from inferctx.context import InferenceContext\n"
+        "c = InferenceContext.instance()\n"
+        "assert c.workspace_bytes == 0 and c.max_token_length == 0 and c.views_alive == 0\n"
+        "for get in (lambda: c.plan, lambda: c.workspace, lambda: c.kv_cache(0)):\n"
+        "    try:\n"
+        "        get()\n"
+        "    except WorkspaceStateError as e:\n"
+        "        assert 'gen_workspace' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('no WorkspaceStateError')\n"
+        "try:\n"
+        "    c.advance_tokens()\n"
+        "except TokenLimitError as e:\n"
+        "    assert 'gen_workspace' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('no TokenLimitError')\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# -- streams ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_streams_of_the_context(ctx):
+    s, c = ctx.stream, ctx.comm_stream
+    assert s.__cuda_stream__() == (0, s.handle) and s.handle not in (0, 1, 2)
+    assert c.handle not in (0, 1, 2, s.handle) and not s.owned
+    assert ctx.stream is s  # cached while it is the compute stream
+    ctx.sync_comp()
+    ctx.sync_comm()
+    s.synchronize()
+    c.synchronize()
+
+
+@pytest.mark.gpu
+def test_use_stream_adopts_and_returns(ctx):
+    from inferctx.context import Stream
+
+    own = ctx.stream.handle
+    mine = Stream()
+    ctx.use_stream(mine)
+    assert ctx.stream.handle == mine.handle
+    ctx.sync_comp()
+    ctx.use_stream(mine.handle)  # a bare handle
+    assert ctx.stream.handle == mine.handle
+    ctx.use_stream(0)  # the legacy default stream, by name
+    assert ctx.stream.handle == 1
+    ctx.use_stream(None)
+    assert ctx.stream.handle == own
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stream", [True, "s", 1.5, -1, object()])
+def test_use_stream_names_the_bad_argument(ctx, stream):
+    own = ctx.stream.handle
+    with pytest.raises(ConfigError) as info:
+        ctx.use_stream(stream)
+    assert info.value.argument == "stream" and ctx.stream.handle == own
+
+
+@pytest.mark.gpu
+def test_use_stream_of_torch_and_cupy(ctx):
+    torch = pytest.importorskip("torch")
+    s = torch.cuda.Stream()
+    ctx.use_stream(s)
+    assert ctx.stream.handle == s.cuda_stream
+    cupy = pytest.importorskip("cupy")
+    cs = cupy.cuda.Stream(non_blocking=True)
+    ctx.use_stream(cs)
+    assert ctx.stream.handle == cs.ptr
+    ctx.use_stream(None)

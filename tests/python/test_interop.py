@@ -1,0 +1,322 @@
+"""Zero-copy exchange with PyTorch, CuPy and JAX (DLPack and the CUDA array interface), the
+stream handshakes, lifetimes, and what the kernels take (CudaArray)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import pickle
+
+import dlpack_ctypes as dlpack
+import pytest
+from gpu_context import KV_SHAPE, ctx, plan_small  # noqa: F401 (fixture)
+
+from inferctx import ConfigError, WorkspaceInUseError
+from inferctx import _core
+from inferctx.context import Stream
+
+# JAX takes most of the GPU's memory on its first use unless told not to.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+np = pytest.importorskip("numpy")
+
+
+# -- without a GPU: what is not CUDA memory is refused by name ------------------------------
+
+def test_numpy_array_is_refused_naming_the_argument():
+    with pytest.raises(ConfigError) as info:
+        _core._as_cuda_array(np.zeros(3), "x")
+    e = info.value
+    assert e.argument == "x" and "numpy.ndarray" in str(e) and "CPU" in str(e)
+    assert str(e).startswith("x must be a CUDA array (DLPack or __cuda_array_interface__)")
+    clone = pickle.loads(pickle.dumps(e))
+    assert type(clone) is ConfigError and clone.argument == "x" and str(clone) == str(e)
+
+
+def test_objects_without_a_protocol_are_refused():
+    with pytest.raises(ConfigError, match="a list with neither") as info:
+        _core._as_cuda_array([1.0, 2.0], "weights")
+    assert info.value.argument == "weights"
+
+
+def test_pinned_host_dlpack_is_refused():
+    class Pinned:
+        def __dlpack_device__(self):
+            return (3, 0)
+
+        def __dlpack__(self, **kwargs):
+            raise AssertionError("not to be called for host memory")
+
+    with pytest.raises(ConfigError, match="kDLCUDAHost") as info:
+        _core._as_cuda_array(Pinned(), "y")
+    assert info.value.argument == "y"
+
+
+def test_argument_name_must_be_a_str():
+    with pytest.raises(ConfigError) as info:
+        _core._as_cuda_array(np.zeros(3), 3)
+    assert info.value.argument == "argument"
+
+
+class CtypesProducer:
+    """A DLPack producer written with ctypes that claims CUDA memory (the pointer is never
+    dereferenced), to check on any machine how a capsule is read, consumed and released."""
+
+    _capsule_new = ctypes.pythonapi.PyCapsule_New
+    _capsule_new.restype = ctypes.py_object
+    _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    _deleter_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+    def __init__(self, versioned, with_strides):
+        self.versioned = versioned
+        self.shape = (ctypes.c_int64 * 2)(3, 4)
+        self.strides = (ctypes.c_int64 * 2)(1, 3)  # column-major
+        self.deleted = []
+        self.deleter = self._deleter_type(self.deleted.append)
+        self.managed = (dlpack.DLManagedTensorVersioned if versioned else dlpack.DLManagedTensor)()
+        if versioned:
+            self.managed.version.major, self.managed.version.minor = 1, 3
+            self.managed.flags = dlpack.READ_ONLY
+        t = self.managed.dl_tensor
+        t.data, t.byte_offset, t.ndim = 0x7F0000001000, 64, 2
+        t.device.device_type, t.device.device_id = 2, 0
+        t.dtype.code, t.dtype.bits, t.dtype.lanes = 4, 16, 1  # bfloat16
+        t.shape = self.shape
+        t.strides = self.strides if with_strides else None
+        self.managed.deleter = ctypes.cast(self.deleter, ctypes.c_void_p).value
+        self.calls = []
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, stream=None, max_version=None):
+        self.calls.append((stream, max_version))
+        name = b"dltensor_versioned" if self.versioned else b"dltensor"
+        self.capsule = self._capsule_new(ctypes.addressof(self.managed), name, None)
+        return self.capsule
+
+
+@pytest.mark.parametrize("versioned,with_strides", [(True, True), (False, False)])
+def test_dlpack_import_reads_consumes_and_releases(versioned, with_strides):
+    producer = CtypesProducer(versioned, with_strides)
+    a = _core._as_cuda_array(producer, "x")  # no stream: nothing touches CUDA
+    assert producer.calls == [(-1, (1, 0))]
+    assert dlpack.capsule_name(producer.capsule) == (
+        "used_dltensor_versioned" if versioned else "used_dltensor")
+    assert (a.ptr, a.shape, a.dtype, a.itemsize, a.device) == (0x7F0000001040, (3, 4), "bfloat16", 2, 0)
+    assert a.strides == ((1, 3) if with_strides else (4, 1))
+    assert a.contiguous is not with_strides and a.read_only is versioned and a.nbytes == 24
+    assert producer.deleted == []
+    del a
+    gc.collect()
+    assert producer.deleted == [ctypes.addressof(producer.managed)]
+
+
+# -- DeviceView as a CudaArray ----------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_device_view_fast_path(ctx):
+    k, _ = ctx.kv_cache(0)
+    a = _core._as_cuda_array(k, "x", ctx.stream)
+    assert (a.ptr, a.shape, a.dtype, a.itemsize, a.device) == (k.ptr, KV_SHAPE, "float16", 2, ctx.device)
+    assert a.strides == k.strides and a.contiguous and not a.read_only
+    assert a.owner is k and a.nbytes == k.nbytes and a.size == k.size and a.ndim == 4
+
+
+@pytest.mark.gpu
+def test_cuda_array_interface_only_objects(ctx):
+    cupy = pytest.importorskip("cupy")
+    base = cupy.arange(24, dtype=cupy.int32).reshape(4, 6)
+    strided = base[:, ::2]
+
+    class OnlyCAI:
+        def __init__(self, arr):
+            self.arr = arr
+            self.__cuda_array_interface__ = arr.__cuda_array_interface__
+
+    a = _core._as_cuda_array(OnlyCAI(strided), "x", ctx.stream)
+    assert a.ptr == strided.data.ptr and a.shape == (4, 3) and a.dtype == "int32"
+    assert a.strides == (6, 2) and not a.contiguous and a.device == ctx.device
+    host_memory = np.zeros(4)
+    host_only = OnlyCAI(base)
+    host_only.__cuda_array_interface__ = dict(base.__cuda_array_interface__,
+                                              data=(host_memory.ctypes.data, False))
+    with pytest.raises(ConfigError, match="not device memory"):
+        _core._as_cuda_array(host_only, "x")
+
+
+# -- PyTorch ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_torch_round_trip_same_memory(ctx):
+    torch = pytest.importorskip("torch")
+    k, _ = ctx.kv_cache(1)
+    t = torch.from_dlpack(k)
+    assert t.data_ptr() == k.ptr and tuple(t.shape) == KV_SHAPE and t.dtype == torch.float16
+    assert t.stride() == k.strides and t.device.index == ctx.device
+    t.fill_(3.0)  # written by torch, read by us once torch's stream is done
+    torch.cuda.current_stream().synchronize()
+    assert np.all(np.from_dlpack(k, device="cpu") == 3.0)
+    values = np.arange(k.size, dtype=np.float16).reshape(KV_SHAPE)
+    buf = _pinned_of(values)
+    k.copy_from_host(buf)  # written by us (compute stream), read by torch (its stream)
+    t2 = torch.from_dlpack(k)  # the export makes torch's stream wait for the copy
+    assert t2.data_ptr() == t.data_ptr()
+    assert torch.equal(t2.cpu(), torch.from_numpy(values))
+
+
+@pytest.mark.gpu
+def test_torch_bfloat16_and_dtypes(ctx):
+    torch = pytest.importorskip("torch")
+    plan_small(ctx, dtype="bfloat16")
+    k, _ = ctx.kv_cache(0)
+    assert torch.from_dlpack(k).dtype == torch.bfloat16
+    for dtype, name in ((torch.float32, "float32"), (torch.uint8, "uint8"),
+                        (torch.int32, "int32"), (torch.bfloat16, "bfloat16")):
+        x = torch.ones(5, 7, dtype=dtype, device="cuda")
+        a = _core._as_cuda_array(x, "x", ctx.stream)
+        assert (a.ptr, a.shape, a.dtype, a.strides) == (x.data_ptr(), (5, 7), name, (7, 1))
+        view = ctx.workspace.view(dtype, (5, 7))
+        assert view.dtype == name
+
+
+@pytest.mark.gpu
+def test_torch_tensors_to_cuda_array(ctx):
+    torch = pytest.importorskip("torch")
+    x = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
+    a = _core._as_cuda_array(x.t(), "x", ctx.stream)
+    assert a.ptr == x.data_ptr() and a.shape == (4, 3) and a.strides == (1, 4)
+    assert not a.contiguous and not a.read_only and a.owner is not None
+    b = _core._as_cuda_array(x[1:], "x", ctx.stream)
+    assert b.ptr == x.data_ptr() + 16 and b.contiguous
+    del x, a, b
+    gc.collect()  # the consumed capsules' deleters ran without error
+    with pytest.raises(ConfigError, match="torch.Tensor on the CPU") as info:
+        _core._as_cuda_array(torch.zeros(3), "bias", ctx.stream)
+    assert info.value.argument == "bias"
+
+
+@pytest.mark.gpu
+def test_torch_consumer_stream_is_honoured(ctx):
+    torch = pytest.importorskip("torch")
+    k, _ = ctx.kv_cache(0)
+    t = torch.from_dlpack(k)
+    t.zero_()
+    torch.cuda.synchronize()
+    compute = torch.cuda.ExternalStream(ctx.stream.handle)
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time, then the write
+        t.fill_(5.0)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        seen = torch.from_dlpack(k).clone()  # __dlpack__(stream=side): side waits for compute
+    side.synchronize()
+    assert float(seen.min()) == 5.0
+
+
+@pytest.mark.gpu
+def test_torch_tensor_outlives_release_and_the_context(ctx):
+    torch = pytest.importorskip("torch")
+    plan_small(ctx, batch_size=8)
+    k, v = ctx.kv_cache(0)
+    t = torch.from_dlpack(k)
+    del k, v
+    gc.collect()
+    with pytest.raises(WorkspaceInUseError) as info:
+        ctx.release_workspace()
+    assert info.value.views_alive == 1  # the view inside t's capsule
+    ctx.release_workspace(force=True)
+    assert ctx.views_alive == 0 and ctx.released
+    assert ctx.retake_workspace()  # a new allocation: the old one lives on in t
+    fresh, _ = ctx.kv_cache(0)
+    assert not (fresh.ptr <= t.data_ptr() < fresh.ptr + fresh.nbytes)
+    torch.from_dlpack(fresh).zero_()
+    t.fill_(7.0)
+    torch.cuda.synchronize()
+    assert float(t.float().sum()) == 7.0 * t.numel()
+    assert float(torch.from_dlpack(fresh).float().abs().sum()) == 0.0
+
+
+# -- CuPy -------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_cupy_dlpack_and_cai_same_memory(ctx):
+    cupy = pytest.importorskip("cupy")
+    k, _ = ctx.kv_cache(2)
+    a = cupy.from_dlpack(k)
+    assert a.data.ptr == k.ptr and a.shape == KV_SHAPE and a.dtype == cupy.float16
+    b = cupy.asarray(k)  # through __cuda_array_interface__
+    assert b.data.ptr == k.ptr and b.shape == KV_SHAPE
+    a.fill(2.0)
+    cupy.cuda.get_current_stream().synchronize()
+    assert np.all(np.from_dlpack(k, device="cpu") == 2.0)
+    values = np.full(KV_SHAPE, 4.0, dtype=np.float16)
+    k.copy_from_host(_pinned_of(values))
+    assert bool((cupy.from_dlpack(k) == 4.0).all())
+    c = _core._as_cuda_array(b, "x", ctx.stream)
+    assert c.ptr == k.ptr and c.shape == KV_SHAPE and c.dtype == "float16"
+
+
+@pytest.mark.gpu
+def test_cupy_cannot_take_bfloat16_by_cai(ctx):
+    cupy = pytest.importorskip("cupy")
+    plan_small(ctx, dtype="bfloat16")
+    k, _ = ctx.kv_cache(0)
+    with pytest.raises(TypeError, match="DLPack"):
+        cupy.asarray(k)
+
+
+# -- JAX --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_jax_round_trip(ctx):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    plan_small(ctx, dtype="float32")
+    k, _ = ctx.kv_cache(0)
+    values = np.arange(k.size, dtype=np.float32).reshape(KV_SHAPE)
+    k.copy_from_host(_pinned_of(values))
+    j = jax.dlpack.from_dlpack(k)
+    assert j.unsafe_buffer_pointer() == k.ptr and j.shape == KV_SHAPE and j.dtype == jnp.float32
+    assert np.array_equal(np.asarray(j), values)
+    x = jnp.arange(16, dtype=jnp.float32).reshape(4, 4) + 1
+    a = _core._as_cuda_array(x, "x", ctx.stream)
+    assert a.ptr == x.unsafe_buffer_pointer() and a.shape == (4, 4) and a.dtype == "float32"
+
+
+def _pinned_of(values):
+    from inferctx.context import PinnedBuffer
+
+    buf = PinnedBuffer(values.nbytes)
+    np.frombuffer(buf, dtype=values.dtype)[:] = values.ravel()
+    return buf
+
+
+@pytest.mark.gpu
+def test_dlpack_import_stream_argument(ctx):
+    """The stream the kernel runs on is what __dlpack__ receives."""
+    received = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __dlpack_device__(self):
+            return self.inner.__dlpack_device__()
+
+        def __dlpack__(self, stream=None, max_version=None, **kwargs):
+            received.append((stream, max_version))
+            return self.inner.__dlpack__(stream=stream, max_version=max_version, **kwargs)
+
+    k, _ = ctx.kv_cache(0)
+    s = Stream()
+    a = _core._as_cuda_array(Spy(k), "x", s)
+    assert received == [(s.handle, (1, 0))] and a.ptr == k.ptr
+    assert type(a.owner).__name__ == "_DLPackImport"
+    _core._as_cuda_array(Spy(k), "x")
+    assert received[-1] == (-1, (1, 0))  # no stream: the producer does not synchronise
+    del a
+    gc.collect()
+    s.synchronize()

@@ -1,0 +1,152 @@
+"""PinnedBuffer: NumPy views it without a copy (buffer protocol and DLPack), and asynchronous
+copies to and from DeviceViews."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import dlpack_ctypes as dlpack
+import pytest
+from dlpack_ctypes import capsule_name, read
+from gpu_context import KV_SHAPE, ctx  # noqa: F401 (fixture)
+
+from inferctx import ConfigError
+from inferctx.context import PinnedBuffer, Stream
+
+np = pytest.importorskip("numpy")
+
+
+@pytest.mark.parametrize("nbytes", [-1, True, 1.5, "8", None])
+def test_size_is_checked_before_any_cuda_call(nbytes):
+    with pytest.raises(ConfigError) as info:
+        PinnedBuffer(nbytes)
+    assert info.value.argument == "nbytes"
+
+
+def test_empty_buffer_exports_on_any_machine():
+    # Zero bytes need no page-locked allocation, so the export paths run without a GPU too.
+    buf = PinnedBuffer(0)
+    base = sys.getrefcount(buf)
+    capsule = buf.__dlpack__(max_version=(1, 0))
+    assert capsule_name(capsule) == "dltensor_versioned" and sys.getrefcount(buf) == base + 1
+    managed, t, shape, strides = read(capsule)
+    assert (managed.version.major, managed.version.minor, managed.flags) == (1, 0, 0)
+    assert (t.device.device_type, t.device.device_id, t.ndim) == (3, 0, 1)
+    assert (t.dtype.code, t.dtype.bits, t.dtype.lanes) == (1, 8, 1)
+    assert shape == [0] and strides == [1] and t.byte_offset == 0
+    del capsule, managed, t
+    assert sys.getrefcount(buf) == base
+    capsule = buf.__dlpack__(max_version=(1, 0), copy=True)
+    managed, _, _, _ = read(capsule)
+    assert managed.flags == dlpack.IS_COPIED and sys.getrefcount(buf) == base
+    del capsule, managed
+    assert capsule_name(buf.__dlpack__()) == "dltensor"
+    assert np.from_dlpack(buf).shape == (0,) and np.from_dlpack(buf, device="cpu").shape == (0,)
+    assert memoryview(buf).nbytes == 0 and np.frombuffer(buf, dtype=np.uint8).shape == (0,)
+    gc.collect()
+    assert sys.getrefcount(buf) == base
+    with pytest.raises(ConfigError) as info:
+        buf.__dlpack__(copy=1)
+    assert info.value.argument == "copy"
+    with pytest.raises(TypeError):
+        buf.__dlpack__(max_version=1)
+
+
+@pytest.mark.gpu
+def test_numpy_views_it_without_a_copy():
+    buf = PinnedBuffer(4096)
+    assert (len(buf), buf.nbytes) == (4096, 4096) and buf.ptr != 0
+    a = np.frombuffer(buf, dtype=np.float32)
+    assert a.ctypes.data == buf.ptr and a.shape == (1024,) and a.flags.writeable
+    a[:] = 3.5
+    b = np.asarray(buf)
+    assert b.ctypes.data == buf.ptr and b.dtype == np.uint8 and b.shape == (4096,)
+    assert np.frombuffer(memoryview(buf), dtype=np.float32)[7] == 3.5
+    assert repr(buf).startswith("<inferctx.PinnedBuffer 4096 bytes")
+
+
+@pytest.mark.gpu
+def test_arrays_keep_the_buffer_alive():
+    a = np.frombuffer(PinnedBuffer(1 << 20), dtype=np.int64)
+    gc.collect()
+    a[:] = 11  # still page-locked memory of the (unreferenced) buffer
+    assert int(a.sum()) == 11 * (1 << 17)
+
+
+@pytest.mark.gpu
+def test_from_dlpack_without_a_copy():
+    buf = PinnedBuffer(256)
+    assert buf.__dlpack_device__() == (3, 0)
+    a = np.from_dlpack(buf)
+    assert a.ctypes.data == buf.ptr and a.dtype == np.uint8 and a.shape == (256,)
+    a[:] = 5
+    c = np.from_dlpack(buf, device="cpu")  # asks for kDLCPU: the same memory
+    assert c.ctypes.data == buf.ptr and int(c[255]) == 5
+    d = np.from_dlpack(buf, copy=True)
+    assert d.ctypes.data != buf.ptr and int(d.sum()) == 5 * 256
+
+
+@pytest.mark.gpu
+def test_dlpack_devices():
+    buf = PinnedBuffer(64)
+    capsule = buf.__dlpack__(max_version=(1, 0))  # alive while its struct is read
+    _, t, shape, strides = read(capsule)
+    assert (t.device.device_type, t.device.device_id, t.data) == (3, 0, buf.ptr)
+    assert shape == [64] and strides == [1] and (t.dtype.code, t.dtype.bits) == (1, 8)
+    capsule = buf.__dlpack__(dl_device=(1, 0))
+    _, t, _, _ = read(capsule)
+    assert t.device.device_type == 1 and t.data == buf.ptr
+    assert capsule_name(buf.__dlpack__()) == "dltensor"
+    for device in ((2, 0), (1, 1), (7, 0)):
+        with pytest.raises(BufferError):
+            buf.__dlpack__(dl_device=device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_async_round_trip(ctx, use_stream):
+    k, v = ctx.kv_cache(0)
+    stream = Stream() if use_stream else None
+    src = PinnedBuffer(k.nbytes)
+    values = np.random.default_rng(0).standard_normal(k.size).astype(np.float16)
+    np.frombuffer(src, dtype=np.float16)[:] = values
+    k.copy_from_host(src, stream)
+    dst = PinnedBuffer(k.nbytes)
+    k.copy_to_host(dst, stream)
+    dst.synchronize()
+    assert np.array_equal(np.frombuffer(dst, dtype=np.float16), values)
+    # Reading through the buffer protocol waits for the copy queued into it.
+    v.copy_from_host(src)
+    v.copy_to_host(dst)
+    assert np.array_equal(np.frombuffer(dst, dtype=np.float16).reshape(KV_SHAPE),
+                          values.reshape(KV_SHAPE))
+
+
+@pytest.mark.gpu
+def test_large_copy_then_numpy_read_waits():
+    from inferctx._core import _empty
+
+    n = 64 << 20
+    view = _empty(None, (n,), "uint8")
+    src = PinnedBuffer(n)
+    np.frombuffer(src, dtype=np.uint8)[:] = 0x5A
+    view.copy_from_host(src)
+    dst = PinnedBuffer(n)
+    view.copy_to_host(dst)
+    assert int(np.frombuffer(dst, dtype=np.uint8).min()) == 0x5A  # no synchronize() needed
+
+
+@pytest.mark.gpu
+def test_copy_arguments(ctx):
+    k, _ = ctx.kv_cache(0)
+    for pinned in (PinnedBuffer(k.nbytes - 1), bytearray(k.nbytes), None):
+        with pytest.raises(ConfigError) as info:
+            k.copy_to_host(pinned)
+        assert info.value.argument == "pinned"
+        with pytest.raises(ConfigError) as info:
+            k.copy_from_host(pinned)
+        assert info.value.argument == "pinned"
+    with pytest.raises(ConfigError) as info:
+        k.copy_to_host(PinnedBuffer(k.nbytes), stream="fast")
+    assert info.value.argument == "stream"

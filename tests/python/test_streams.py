@@ -1,0 +1,132 @@
+"""Stream and Event: owned and borrowed streams, the stream objects of other libraries, and
+ordering by events."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+from gpu_context import ctx  # noqa: F401 (fixture)
+
+from inferctx import ConfigError
+from inferctx.context import Event, Stream
+
+
+class CudaStreamProtocol:
+    """Anything with __cuda_stream__ (a method, as the protocol says)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+class CudaStreamProperty:
+    """Early cuda.core made __cuda_stream__ a property."""
+
+    def __init__(self, handle):
+        self.__cuda_stream__ = (0, handle)
+
+
+@pytest.mark.parametrize("source", [
+    "stream", True, -1, 1 << 64, 2.0, object(), CudaStreamProtocol("h"), CudaStreamProtocol(-5),
+    CudaStreamProperty(None),
+])
+def test_bad_sources_are_refused_before_any_cuda_call(source):
+    with pytest.raises(ConfigError) as info:
+        Stream(source)
+    assert info.value.argument == "source"
+
+
+def test_event_timing_must_be_a_bool():
+    with pytest.raises(ConfigError) as info:
+        Event(timing=1)
+    assert info.value.argument == "timing"
+
+
+@pytest.mark.gpu
+def test_owned_stream():
+    s = Stream()
+    assert s.owned and s.handle > 2 and s.__cuda_stream__() == (0, s.handle)
+    s.synchronize()
+    assert repr(s).endswith("owned>")
+    t = Stream(s)  # borrowed: the same handle
+    assert not t.owned and t == s and hash(t) == hash(s) and t.device == s.device
+
+
+@pytest.mark.gpu
+def test_borrowed_handles():
+    s = Stream()
+    assert Stream(s.handle).handle == s.handle
+    assert Stream(0).handle == 1  # 0 is the legacy default stream, named explicitly
+    assert Stream(2).handle == 2
+    src = CudaStreamProtocol(s.handle)
+    wrapped = Stream(src)
+    assert wrapped.handle == s.handle and Stream(CudaStreamProperty(s.handle)).handle == s.handle
+    ref = weakref.ref(src)
+    del src
+    gc.collect()
+    assert ref() is not None  # kept alive by the Stream that borrows it
+    del wrapped
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.gpu
+def test_events():
+    s = Stream()
+    start, end = Event(timing=True), Event(timing=True)
+    start.record(s)
+    end.record(s)
+    end.synchronize()
+    assert start.query() and end.query()
+    assert end.elapsed_ms(start) >= 0.0
+    plain = Event()
+    assert not plain.timing and plain.handle != 0 and plain.record(s) is plain
+    plain.wait(Stream())
+    with pytest.raises(ConfigError) as info:
+        plain.elapsed_ms(start)
+    assert info.value.argument == "timing"
+    with pytest.raises(ConfigError) as info:
+        end.elapsed_ms(0.5)
+    assert info.value.argument == "start"
+    with pytest.raises(ConfigError) as info:
+        plain.record("s")
+    assert info.value.argument == "stream"
+    e = s.record()
+    assert isinstance(e, Event)
+    e.synchronize()
+
+
+@pytest.mark.gpu
+def test_torch_and_cupy_streams():
+    torch = pytest.importorskip("torch")
+    ts = torch.cuda.Stream()
+    s = Stream(ts)
+    assert s.handle == ts.cuda_stream and s.device == ts.device_index
+    cur = torch.cuda.current_stream()
+    assert Stream(cur).handle == (cur.cuda_stream or 1)
+    # torch accepts ours back
+    ext = torch.cuda.ExternalStream(Stream().handle)
+    assert ext.cuda_stream != 0
+    cupy = pytest.importorskip("cupy")
+    cs = cupy.cuda.Stream(non_blocking=True)
+    assert Stream(cs).handle == cs.ptr
+
+
+@pytest.mark.gpu
+def test_wait_orders_two_streams():
+    torch = pytest.importorskip("torch")
+    first, second = Stream(), Stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.ExternalStream(first.handle)):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time before the write
+        x.fill_(1.0)
+    second.wait(first)
+    with torch.cuda.stream(torch.cuda.ExternalStream(second.handle)):
+        y = x.clone()
+    second.synchronize()
+    assert float(y.min()) == 1.0
