@@ -35,16 +35,6 @@ cdef class CudaArray:
                 f"on cuda:{self.device} at {self.ptr:#x}>")
 
 
-cdef tuple _contiguous_strides(tuple shape):
-    strides = []
-    cdef int64_t stride = 1
-    for n in reversed(shape):
-        strides.append(stride)
-        stride *= n
-    strides.reverse()
-    return tuple(strides)
-
-
 cdef bint _is_contiguous(tuple shape, tuple strides):
     """C-contiguous: strides (elements) of the packed layout, ignoring sizes of 1."""
     cdef int64_t expected = 1

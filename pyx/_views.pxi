@@ -65,35 +65,33 @@ for _i, _row in enumerate(_DTYPE_TABLE):
 del _i, _row
 
 
-cdef object _dtype_name_of(object dtype):
-    """The name of a NumPy, torch, JAX or ml_dtypes dtype, or None (torch is never imported)."""
-    module = type(dtype).__module__ or ""
-    if module.startswith("torch"):  # torch.float16 prints as 'torch.float16'
-        return str(dtype).rpartition(".")[2]
-    name = getattr(dtype, "name", None)  # numpy.dtype, ml_dtypes
-    if isinstance(name, str):
-        return name
-    if isinstance(dtype, type):  # numpy scalar types such as numpy.float16
-        try:
-            import numpy
-            return numpy.dtype(dtype).name
-        except Exception:
-            return None
-    return None
-
-
 cdef int _dtype_index(object dtype, str argument) except -1:
     """The dtype table index of a name ('float16', 'bf16', ...) or a NumPy/torch dtype."""
     index = _DTYPE_BY_NAME.get(dtype) if type(dtype) is str else None
     if index is not None:
         return index
-    name = dtype if isinstance(dtype, str) else _dtype_name_of(dtype)
+    if isinstance(dtype, str):
+        name = dtype
+    else:  # a NumPy, torch, JAX or ml_dtypes dtype: the planner's coercion names it
+        from inferctx.dtypes import _name_of
+        name = _name_of(dtype)
     if isinstance(name, str):
         index = _DTYPE_BY_NAME.get(name.strip().lower())
     if index is None:
         raise _ConfigError(f"{argument}: got {dtype!r}; valid: {', '.join(_DTYPE_NAMES)} (or the "
                            f"NumPy/torch dtype of one of them)", argument=argument)
     return index
+
+
+cdef tuple _contiguous_strides(tuple shape):
+    """Strides in elements of a C-contiguous array of `shape`."""
+    strides = []
+    cdef int64_t stride = 1
+    for n in reversed(shape):
+        strides.append(stride)
+        stride *= n
+    strides.reverse()
+    return tuple(strides)
 
 
 cdef str _HOST_ACCESS_HINT = (
@@ -157,12 +155,7 @@ cdef class DeviceView:
     @property
     def strides(self):
         """Strides in elements (C-contiguous), as DLPack and torch count them."""
-        strides = []
-        cdef int64_t stride = 1
-        for n in reversed(self._shape):
-            strides.append(stride)
-            stride *= n
-        return tuple(reversed(strides))
+        return _contiguous_strides(self._shape)
 
     @property
     def dtype(self):

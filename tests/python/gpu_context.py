@@ -21,6 +21,17 @@ SCORES_BYTES = 2 * 8 * 64 * 64 * 2  # batch * heads * max_out_tokens * tokens * 
 WORKSPACE_BYTES = ACTIVATIONS_BYTES + 4 * 2 * KV_TENSOR_BYTES + SCORES_BYTES  # 1_703_936
 
 
+def pinned_of(values):
+    """A PinnedBuffer holding a NumPy array's bytes."""
+    import numpy as np
+
+    from inferctx.context import PinnedBuffer
+
+    buf = PinnedBuffer(values.nbytes)
+    np.frombuffer(buf, dtype=values.dtype)[:] = np.ascontiguousarray(values).ravel()
+    return buf
+
+
 def plan_small(ctx, **overrides):
     """Puts the small plan (with `overrides`) in force on `ctx`."""
     return ctx.gen_workspace(SHAPE, **{**REQUEST, **overrides})

@@ -10,7 +10,7 @@ import pickle
 
 import dlpack_ctypes as dlpack
 import pytest
-from gpu_context import KV_SHAPE, ctx, plan_small  # noqa: F401 (fixture)
+from gpu_context import KV_SHAPE, ctx, pinned_of, plan_small  # noqa: F401 (fixture)
 
 from inferctx import ConfigError, WorkspaceInUseError
 from inferctx import _core
@@ -159,7 +159,7 @@ def test_torch_round_trip_same_memory(ctx):
     torch.cuda.current_stream().synchronize()
     assert np.all(np.from_dlpack(k, device="cpu") == 3.0)
     values = np.arange(k.size, dtype=np.float16).reshape(KV_SHAPE)
-    buf = _pinned_of(values)
+    buf = pinned_of(values)
     k.copy_from_host(buf)  # written by us (compute stream), read by torch (its stream)
     t2 = torch.from_dlpack(k)  # the export makes torch's stream wait for the copy
     assert t2.data_ptr() == t.data_ptr()
@@ -252,7 +252,7 @@ def test_cupy_dlpack_and_cai_same_memory(ctx):
     cupy.cuda.get_current_stream().synchronize()
     assert np.all(np.from_dlpack(k, device="cpu") == 2.0)
     values = np.full(KV_SHAPE, 4.0, dtype=np.float16)
-    k.copy_from_host(_pinned_of(values))
+    k.copy_from_host(pinned_of(values))
     assert bool((cupy.from_dlpack(k) == 4.0).all())
     c = _core._as_cuda_array(b, "x", ctx.stream)
     assert c.ptr == k.ptr and c.shape == KV_SHAPE and c.dtype == "float16"
@@ -277,21 +277,13 @@ def test_jax_round_trip(ctx):
     plan_small(ctx, dtype="float32")
     k, _ = ctx.kv_cache(0)
     values = np.arange(k.size, dtype=np.float32).reshape(KV_SHAPE)
-    k.copy_from_host(_pinned_of(values))
+    k.copy_from_host(pinned_of(values))
     j = jax.dlpack.from_dlpack(k)
     assert j.unsafe_buffer_pointer() == k.ptr and j.shape == KV_SHAPE and j.dtype == jnp.float32
     assert np.array_equal(np.asarray(j), values)
     x = jnp.arange(16, dtype=jnp.float32).reshape(4, 4) + 1
     a = _core._as_cuda_array(x, "x", ctx.stream)
     assert a.ptr == x.unsafe_buffer_pointer() and a.shape == (4, 4) and a.dtype == "float32"
-
-
-def _pinned_of(values):
-    from inferctx.context import PinnedBuffer
-
-    buf = PinnedBuffer(values.nbytes)
-    np.frombuffer(buf, dtype=values.dtype)[:] = values.ravel()
-    return buf
 
 
 @pytest.mark.gpu

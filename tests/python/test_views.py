@@ -7,7 +7,8 @@ import gc
 
 import pytest
 from dlpack_ctypes import IS_COPIED, capsule_name, read
-from gpu_context import KV_SHAPE, KV_TENSOR_BYTES, WORKSPACE_BYTES, ctx, plan_small  # noqa: F401
+from gpu_context import (KV_SHAPE, KV_TENSOR_BYTES, WORKSPACE_BYTES, ctx,  # noqa: F401
+                         pinned_of, plan_small)
 
 from inferctx import ConfigError
 from inferctx._core import DeviceView, _empty
@@ -23,9 +24,7 @@ def test_views_are_not_constructed_directly():
 
 def fill(view, values):
     """Writes a NumPy array's bytes into `view` (through page-locked memory)."""
-    data = np.ascontiguousarray(values)
-    buf = PinnedBuffer(data.nbytes)
-    np.frombuffer(buf, dtype=data.dtype)[:] = data.ravel()
+    buf = pinned_of(values)
     view.copy_from_host(buf)
     buf.synchronize()
 
