@@ -24,6 +24,17 @@ from .errors import (  # noqa: E402
 )
 from .planning import ModelShape, Region, WorkspacePlan, plan_workspace  # noqa: E402
 from .presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset  # noqa: E402
+from .context import DeviceView, Event, InferenceContext, PinnedBuffer, Stream  # noqa: E402
+from ._core import apply_mask, dropout  # noqa: E402
+from .gemm import (  # noqa: E402
+    autotune_gemm,
+    bmm,
+    clear_gemm_cache,
+    gemm,
+    gemm_cache_entries,
+    load_gemm_cache,
+    save_gemm_cache,
+)
 
 __version__ = "0.1.0"
 
@@ -36,6 +47,20 @@ __all__ = [
     "GPU_PRESETS",
     "model_preset",
     "gpu_preset",
+    "InferenceContext",
+    "DeviceView",
+    "PinnedBuffer",
+    "Stream",
+    "Event",
+    "dropout",
+    "apply_mask",
+    "gemm",
+    "bmm",
+    "autotune_gemm",
+    "save_gemm_cache",
+    "load_gemm_cache",
+    "clear_gemm_cache",
+    "gemm_cache_entries",
     "errors",
     "InferCtxError",
     "ConfigError",

@@ -816,6 +816,11 @@ TEST_CASE("gpu: apply_mask of the forward mask reproduces the forward output") {
 }
 
 TEST_CASE("gpu: more than 2^32 elements (64-bit indexing, high counter words), sampled windows") {
+  // Under compute-sanitizer a 32 GiB pass takes hours; the sampled windows are covered unsanitized.
+  if (std::getenv("INFERCTX_SANITIZE") != nullptr) {
+    std::printf("  note: skipped under INFERCTX_SANITIZE (runs in the plain ctest pass)\n");
+    return;
+  }
   // 2^34 + 1037 fp16 elements in place (32 GiB) reach subsequence 2^32 (counter word 3); fall back
   // to 2^32 + 1037 (8 GiB) on smaller devices.
   const int64_t candidates[] = {(int64_t{1} << 34) + 1037, (int64_t{1} << 32) + 1037};

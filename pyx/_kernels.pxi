@@ -1,0 +1,307 @@
+# Part of _core.pyx: the dropout kernel and the GEMM glue over the context's handle and stream.
+
+from libc.math cimport isnan
+
+# inferctx::DType codes and inferctx::MaskMode codes
+cdef dict _KERNEL_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+cdef dict _MASK_MODES = {None: 0, "bytes": 1, "bits": 2}
+
+
+cdef float _probability_arg(object p) except? -1:
+    if PyBool_Check(p) or not isinstance(p, (int, float)) and not hasattr(p, "__float__"):
+        raise _ConfigError(f"p: got {p!r}; it must be a number in [0, 1], the probability of "
+                           f"dropping an element", argument="p")
+    cdef double v = float(p)
+    if isnan(v) or v < 0.0 or v > 1.0:
+        raise _ConfigError(f"p: got {v!r}; it must be in [0, 1], the probability of dropping an "
+                           f"element", argument="p")
+    return <float>v
+
+
+cdef uintptr_t _kernel_stream(InferenceContext ctx, object stream) except 0:
+    if stream is None:
+        return <uintptr_t>ctx._c.stream()
+    return _stream_handle(stream, "stream")
+
+
+cdef int _kernel_dtype(CudaArray a, str argument) except -1:
+    code = _KERNEL_DTYPES.get(a.dtype)
+    if code is None:
+        raise _ConfigError(f"{argument}: dtype {a.dtype} is not supported; valid: float32, float16, "
+                           f"bfloat16", argument=argument)
+    if not a.contiguous:
+        raise _ConfigError(f"{argument}: shape {list(a.shape)} with strides {list(a.strides)} (elements) "
+                           f"is not contiguous; pass a contiguous array (e.g. x.contiguous())",
+                           argument=argument)
+    return code
+
+
+cdef CudaArray _out_arg(object out, CudaArray like, str what, uintptr_t stream):
+    cdef CudaArray o = as_cuda_array(out, "out", stream)
+    if o.device != like.device or o.dtype != like.dtype or tuple(o.shape) != tuple(like.shape):
+        raise _ConfigError(
+            f"out: got {o.dtype}{list(o.shape)} on cuda:{o.device}; it must match {what}: "
+            f"{like.dtype}{list(like.shape)} on cuda:{like.device}", argument="out")
+    if not o.contiguous:
+        raise _ConfigError(f"out: strides {list(o.strides)} are not contiguous; pass a contiguous "
+                           f"array", argument="out")
+    if o.read_only:
+        raise _ConfigError("out: the array is read-only", argument="out")
+    return o
+
+
+def dropout(x, p, *, ctx=None, out=None, mask="bits", seed=None, offset=None, stream=None):
+    """Dropout of a CUDA array: ``y = x / (1 - p)`` where kept, 0 elsewhere; returns (y, mask).
+
+    Element i is kept iff output ``i % 4`` of ``curand_uniform4`` on a Philox4_32_10 state from
+    ``curand_init(seed, i // 4, offset)`` exceeds ``p``, so the result depends only on (seed,
+    offset), never on the launch or the GPU.
+
+    Parameters
+    ----------
+    x : CUDA array (DLPack or __cuda_array_interface__)
+        Contiguous float32, float16 or bfloat16.
+    p : float
+        Drop probability in [0, 1]; 0 copies x bit for bit, 1 gives zeros.
+    ctx : InferenceContext, optional
+        Defaults to the context of x's device. Its compute stream runs the kernel and its
+        ``increment_offset(4)`` supplies (seed, offset) unless both are given.
+    out : CUDA array, optional
+        Receives y (same shape, dtype and device as x; may be x itself).
+    mask : {"bits", "bytes", None}
+        "bits": bit ``i % 32`` of uint32 word ``i // 32``; "bytes": one uint8 per element.
+    seed, offset : int, optional
+        An explicit Philox state (offset a multiple of 4); give both or neither.
+    stream : stream-like, optional
+        Run on this stream instead of the context's compute stream.
+
+    Returns
+    -------
+    (y, mask) : y is a DeviceView (or ``out``), mask a DeviceView or None.
+    """
+    cdef float prob = _probability_arg(p)
+    if mask not in _MASK_MODES:
+        raise _ConfigError(f"mask: got {mask!r}; valid: 'bits' (default), 'bytes' or None",
+                           argument="mask")
+    cdef int mode = _MASK_MODES[mask]
+    if (seed is None) != (offset is None):
+        raise _ConfigError("seed/offset: give both (an explicit Philox state) or neither (taken "
+                           "from ctx.increment_offset(4))", argument="seed" if seed is None else "offset")
+    cdef InferenceContext context
+    cdef uintptr_t handle
+    cdef CudaArray a
+    if ctx is None:
+        a = as_cuda_array(x, "x", 0)
+        context = _context_of(a.device)
+        handle = _kernel_stream(context, stream)
+        a = as_cuda_array(x, "x", handle)  # now ordered after its producer, on our stream
+    else:
+        if not isinstance(ctx, InferenceContext):
+            raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
+                               f"None", argument="ctx")
+        context = <InferenceContext>ctx
+        handle = _kernel_stream(context, stream)
+        a = as_cuda_array(x, "x", handle)
+        if a.device != context.device:
+            raise _ConfigError(f"x: is on cuda:{a.device} but ctx is the context of cuda:"
+                               f"{context.device}", argument="x")
+    cdef int dtype = _kernel_dtype(a, "x")
+    cdef uint64_t s, o
+    cdef pair[uint64_t, uint64_t] state
+    if seed is None:
+        state = context._c.increment_offset(4)
+        s, o = state.first, state.second
+    else:
+        s = _uint64_arg(seed, "seed")
+        o = _uint64_arg(offset, "offset")
+    cdef CudaArray y_arr
+    if out is None:
+        y = _new_view(a.device, a._dtype, a.shape)
+        y_arr = as_cuda_array(y, "out", 0)
+    else:
+        y_arr = _out_arg(out, a, "x", handle)
+        y = out
+    cdef int64_t n = a.size
+    m = None
+    cdef uintptr_t mask_ptr = 0
+    if mode == 2:
+        m = _new_view(a.device, _dtype_index("uint32", "mask"), ((n + 31) // 32,))
+        mask_ptr = (<DeviceView>m)._ptr
+    elif mode == 1:
+        m = _new_view(a.device, _dtype_index("uint8", "mask"), a.shape)
+        mask_ptr = (<DeviceView>m)._ptr
+    cdef const void* xp = <const void*>a.ptr
+    cdef void* yp = <void*>y_arr.ptr
+    cdef int dev = a.device
+    cdef int sms = context._c.multiprocessor_count()
+    with nogil:
+        dropout_forward(xp, yp, <void*>mask_ptr, n, dtype, prob, mode, s, o, <cudaStream_t>handle,
+                        dev, sms)
+    return y, m
+
+
+def apply_mask(grad, mask, p, *, ctx=None, out=None, stream=None):
+    """The backward of dropout: ``grad / (1 - p)`` where ``mask`` kept the element, 0 elsewhere.
+
+    ``mask`` is what ``dropout`` returned: uint32 words (bits) or uint8 (bytes, any nonzero
+    byte keeps). Same ``ctx``, ``out`` and ``stream`` rules as ``dropout``; returns the result.
+    """
+    cdef float prob = _probability_arg(p)
+    cdef InferenceContext context
+    cdef CudaArray g = as_cuda_array(grad, "grad", 0)
+    if ctx is None:
+        context = _context_of(g.device)
+    elif isinstance(ctx, InferenceContext):
+        context = <InferenceContext>ctx
+    else:
+        raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
+                           f"None", argument="ctx")
+    cdef uintptr_t handle = _kernel_stream(context, stream)
+    g = as_cuda_array(grad, "grad", handle)
+    cdef int dtype = _kernel_dtype(g, "grad")
+    cdef CudaArray mk = as_cuda_array(mask, "mask", handle)
+    cdef int64_t n = g.size
+    cdef int mode
+    if mk.device != g.device:
+        raise _ConfigError(f"mask: is on cuda:{mk.device}, grad on cuda:{g.device}", argument="mask")
+    if not mk.contiguous:
+        raise _ConfigError("mask: must be contiguous", argument="mask")
+    if mk.dtype in ("uint32", "int32"):
+        mode = 2
+        if mk.size != (n + 31) // 32:
+            raise _ConfigError(f"mask: a bit mask for {n} elements has {(n + 31) // 32} uint32 words; "
+                               f"got {mk.size}", argument="mask")
+    elif mk.dtype in ("uint8", "int8", "bool"):
+        mode = 1
+        if mk.size != n:
+            raise _ConfigError(f"mask: a byte mask for {n} elements has {n} bytes; got {mk.size}",
+                               argument="mask")
+    else:
+        raise _ConfigError(f"mask: dtype {mk.dtype} is not a dropout mask; valid: uint32 (bits) or "
+                           f"uint8 (bytes)", argument="mask")
+    cdef CudaArray o_arr
+    if out is None:
+        result = _new_view(g.device, g._dtype, g.shape)
+        o_arr = as_cuda_array(result, "out", 0)
+    else:
+        o_arr = _out_arg(out, g, "grad", handle)
+        result = out
+    if g.device != context.device:
+        raise _ConfigError(f"grad: is on cuda:{g.device} but ctx is the context of cuda:"
+                           f"{context.device}", argument="grad")
+    cdef const void* gp = <const void*>g.ptr
+    cdef const void* mp = <const void*>mk.ptr
+    cdef void* op = <void*>o_arr.ptr
+    cdef int dev = g.device
+    cdef int sms = context._c.multiprocessor_count()
+    with nogil:
+        dropout_apply_mask(gp, mp, op, n, dtype, prob, mode, <cudaStream_t>handle, dev, sms)
+    return result
+
+
+# -- GEMM glue for python/inferctx/gemm.py --------------------------------------------------------
+
+cdef GemmProblem _gemm_problem(int dtype, bint trans_a, bint trans_b, int64_t m, int64_t n, int64_t k,
+                               int64_t batch, int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a,
+                               int64_t stride_b, int64_t stride_c, bint tf32) noexcept:
+    cdef GemmProblem p
+    p.dtype = dtype
+    p.trans_a = trans_a
+    p.trans_b = trans_b
+    p.m, p.n, p.k, p.batch = m, n, k, batch
+    p.lda, p.ldb, p.ldc = lda, ldb, ldc
+    p.stride_a, p.stride_b, p.stride_c = stride_a, stride_b, stride_c
+    p.tf32 = tf32
+    return p
+
+
+def _gemm(InferenceContext ctx, uintptr_t a, uintptr_t b, uintptr_t c, int dtype, bint trans_a,
+          bint trans_b, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t lda, int64_t ldb,
+          int64_t ldc, int64_t stride_a, int64_t stride_b, int64_t stride_c, float alpha,
+          float beta, bint tf32):
+    """inferctx::gemm on the context's cuBLAS handle and compute stream (pointers as ints)."""
+    cdef GemmProblem p = _gemm_problem(dtype, trans_a, trans_b, m, n, k, batch, lda, ldb, ldc,
+                                       stride_a, stride_b, stride_c, tf32)
+    cdef CppInferenceContext* cx = ctx._c
+    with nogil:
+        gemm(cx.cublas(), cx.stream(), p, <const void*>a, <const void*>b, <void*>c, alpha, beta)
+
+
+def _gemm_tune(InferenceContext ctx, int dtype, bint trans_a, bint trans_b, int64_t m, int64_t n,
+               int64_t k, int64_t batch, int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a,
+               int64_t stride_b, int64_t stride_c, bint tf32, int max_algorithms, int warmup,
+               int repeats):
+    """inferctx::tune_gemm on the context's handle and stream; the GemmTuneResult as a dict."""
+    cdef GemmProblem p = _gemm_problem(dtype, trans_a, trans_b, m, n, k, batch, lda, ldb, ldc,
+                                       stride_a, stride_b, stride_c, tf32)
+    cdef GemmTuneOptions options
+    options.max_algorithms = max_algorithms
+    options.warmup = warmup
+    options.repeats = repeats
+    cdef CppInferenceContext* cx = ctx._c
+    cdef GemmTuneResult r
+    with nogil:
+        r = tune_gemm(cx.cublas(), cx.stream(), p, options)
+    return {
+        "backend": r.backend, "algo_index": r.algo_index, "algo": [w for w in r.algo],
+        "algo_id": r.algo_id, "tile_id": r.tile_id, "stages_id": r.stages_id, "splitk": r.splitk,
+        "default_ms": r.default_ms, "best_ms": r.best_ms, "candidates": r.candidates,
+        "valid": r.valid, "rotated_sets": r.rotated_sets,
+    }
+
+
+cdef dict _problem_dict(const GemmProblem& p):
+    return {"dtype": p.dtype, "trans_a": p.trans_a, "trans_b": p.trans_b, "m": p.m, "n": p.n,
+            "k": p.k, "batch": p.batch, "lda": p.lda, "ldb": p.ldb, "ldc": p.ldc,
+            "stride_a": p.stride_a, "stride_b": p.stride_b, "stride_c": p.stride_c, "tf32": p.tf32}
+
+
+def _gemm_cache_export(tuned_only):
+    """The GEMM algorithm cache as a list of dicts (GemmCacheEntry fields)."""
+    cdef bint only = _bool_arg(tuned_only, "tuned_only")
+    cdef cpp_vector[GemmCacheEntry] entries
+    with nogil:
+        entries = export_gemm_cache(only)
+    out = []
+    cdef size_t i
+    cdef GemmCacheEntry* e
+    for i in range(entries.size()):
+        e = &entries[i]
+        out.append({
+            "device": e.device, "device_name": e.device_name.decode("utf-8", "replace"),
+            "cublas_version": e.cublas_version, "problem": _problem_dict(e.problem),
+            "align_a": e.align_a, "align_b": e.align_b, "align_c": e.align_c,
+            "backend": e.backend, "algo": [w for w in e.algo], "time_ms": e.time_ms,
+        })
+    return out
+
+
+def _gemm_cache_import(entries):
+    """Adds cache entries (dicts as _gemm_cache_export gives); returns how many were taken."""
+    cdef cpp_vector[GemmCacheEntry] v
+    cdef GemmCacheEntry e
+    for d in entries:
+        e.device = d["device"]
+        e.device_name = str(d["device_name"]).encode()
+        e.cublas_version = d["cublas_version"]
+        q = d["problem"]
+        e.problem = _gemm_problem(q["dtype"], q["trans_a"], q["trans_b"], q["m"], q["n"], q["k"],
+                                  q["batch"], q["lda"], q["ldb"], q["ldc"], q["stride_a"],
+                                  q["stride_b"], q["stride_c"], q["tf32"])
+        e.align_a, e.align_b, e.align_c = d["align_a"], d["align_b"], d["align_c"]
+        e.backend = d["backend"]
+        e.algo.clear()
+        for w in d["algo"]:
+            e.algo.push_back(<uint64_t>w)
+        e.time_ms = d["time_ms"]
+        v.push_back(e)
+    cdef int64_t taken
+    with nogil:
+        taken = import_gemm_cache(v)
+    return taken
+
+
+def _gemm_cache_clear():
+    """Empties the GEMM algorithm cache."""
+    with nogil:
+        clear_gemm_cache()
