@@ -147,13 +147,18 @@ def test_capsule_keeps_the_memory_alive(ctx):
     (dict(dl_device=(1, 0), copy=False), BufferError, None),
 ])
 def test_dlpack_arguments(ctx, kwargs, error, argument):
-    k, _ = ctx.kv_cache(0)
+    k, v = ctx.kv_cache(0)
+    gc.collect()
+    before = ctx.views_alive  # k and v themselves
     with pytest.raises(error) as info:
         k.__dlpack__(**kwargs)
     if argument:
         assert info.value.argument == argument
     gc.collect()
-    assert ctx.views_alive == 0  # nothing leaked by the failed export
+    assert ctx.views_alive == before  # nothing leaked by the failed export
+    del k, v
+    gc.collect()
+    assert ctx.views_alive == 0
 
 
 @pytest.mark.gpu
