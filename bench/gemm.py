@@ -144,8 +144,12 @@ class Timer:
 def host_us_per_call(fn, calls=100, reps=21):
     """Host time of issuing `calls` calls (no waiting on the GPU in between), per call."""
     samples = []
+    # Keep the GPU busy for longer than the loop takes, so that the calls only enqueue work and
+    # the time is the host's, not the GPU's (the launch queue holds far more than `calls`).
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * calls * 60e-6)
     for _ in range(reps):
         torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
         t0 = time.perf_counter_ns()
         for _ in range(calls):
             fn()

@@ -151,6 +151,33 @@ def bench_small(ctx, torch, repeat):
                         "<= 3 us", 3.0))
         torch.cuda.synchronize()
 
+        # Where the time goes: the views alone, and the export alone (stream handshake included).
+        def loop_views(n):
+            for _ in range(n):
+                kv_cache(0)
+
+        rows.append(Row("  of which kv_cache(0)", per_call_us(loop_views, 2000, repeat)))
+        consumer = torch.cuda.current_stream().cuda_stream or 1
+        k0 = kv_cache(0)[0]
+        export = k0.__dlpack__
+
+        def loop_capsule(n):
+            for _ in range(n):
+                export(stream=consumer)
+
+        rows.append(Row("  of which __dlpack__(stream=torch's)", per_call_us(loop_capsule, 2000, repeat)))
+        del k0, export
+
+        # An engine that runs torch and the context on one stream needs no handshake.
+        ctx.use_stream(torch.cuda.current_stream())
+        try:
+            same = per_call_us(loop_export, 2000, repeat)
+        finally:
+            ctx.use_stream(None)
+        rows.append(Row("  same, ctx.use_stream(torch's stream)", same, theirs, "torch.empty (same size)",
+                        "<= 3 us", 3.0))
+        torch.cuda.synchronize()
+
     gen = ctx.gen_workspace
 
     def loop_gen(n):

@@ -50,7 +50,24 @@ cdef CudaArray _out_arg(object out, CudaArray like, str what, uintptr_t stream):
     return o
 
 
-def dropout(x, p, *, ctx=None, out=None, mask="bits", seed=None, offset=None, stream=None):
+cdef CudaArray _mask_out_arg(object mask_out, int mode, CudaArray like, uintptr_t stream):
+    cdef CudaArray m = as_cuda_array(mask_out, "mask_out", stream)
+    cdef int64_t n = like.size
+    if m.device != like.device or not m.contiguous or m.read_only:
+        raise _ConfigError(f"mask_out: must be a writable contiguous array on cuda:{like.device}; "
+                           f"got one on cuda:{m.device}", argument="mask_out")
+    if mode == 2:
+        if m.dtype not in ("uint32", "int32") or m.size != (n + 31) // 32:
+            raise _ConfigError(f"mask_out: a bit mask for {n} elements is {(n + 31) // 32} uint32 (or "
+                               f"int32) words; got {m.dtype}{list(m.shape)}", argument="mask_out")
+    elif m.dtype not in ("uint8", "int8", "bool") or m.size != n:
+        raise _ConfigError(f"mask_out: a byte mask for {n} elements is {n} uint8 values; got "
+                           f"{m.dtype}{list(m.shape)}", argument="mask_out")
+    return m
+
+
+def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, offset=None,
+            stream=None):
     """Dropout of a CUDA array: ``y = x / (1 - p)`` where kept, 0 elsewhere; returns (y, mask).
 
     Element i is kept iff output ``i % 4`` of ``curand_uniform4`` on a Philox4_32_10 state from
@@ -70,6 +87,9 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", seed=None, offset=None, st
         Receives y (same shape, dtype and device as x; may be x itself).
     mask : {"bits", "bytes", None}
         "bits": bit ``i % 32`` of uint32 word ``i // 32``; "bytes": one uint8 per element.
+    mask_out : CUDA array, optional
+        Receives the mask (uint32 or int32 words for "bits", uint8 for "bytes"), so that a
+        loop reuses one buffer instead of allocating a mask per call.
     seed, offset : int, optional
         An explicit Philox state (offset a multiple of 4); give both or neither.
     stream : stream-like, optional
@@ -77,7 +97,7 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", seed=None, offset=None, st
 
     Returns
     -------
-    (y, mask) : y is a DeviceView (or ``out``), mask a DeviceView or None.
+    (y, mask) : y is a DeviceView (or ``out``), mask a DeviceView (or ``mask_out``) or None.
     """
     cdef float prob = _probability_arg(p)
     if mask not in _MASK_MODES:
@@ -124,7 +144,13 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", seed=None, offset=None, st
     cdef int64_t n = a.size
     m = None
     cdef uintptr_t mask_ptr = 0
-    if mode == 2:
+    if mask_out is not None:
+        if mode == 0:
+            raise _ConfigError("mask_out: given with mask=None; pass mask='bits' or 'bytes'",
+                               argument="mask_out")
+        mask_ptr = _mask_out_arg(mask_out, mode, a, handle).ptr
+        m = mask_out
+    elif mode == 2:
         m = _new_view(a.device, _dtype_index("uint32", "mask"), ((n + 31) // 32,))
         mask_ptr = (<DeviceView>m)._ptr
     elif mode == 1:

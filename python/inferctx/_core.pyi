@@ -185,7 +185,7 @@ def _as_cuda_array(obj: Any, argument: str = "x", stream: Any = None) -> CudaArr
 
 # -- kernels -----------------------------------------------------------------------------------
 def dropout(x: Any, p: float, *, ctx: InferenceContext | None = None, out: Any = None,
-            mask: str | None = "bits", seed: int | None = None, offset: int | None = None,
+            mask: str | None = "bits", mask_out: Any = None, seed: int | None = None, offset: int | None = None,
             stream: Any = None) -> tuple[Any, DeviceView | None]: ...
 def apply_mask(grad: Any, mask: Any, p: float, *, ctx: InferenceContext | None = None,
                out: Any = None, stream: Any = None) -> Any: ...

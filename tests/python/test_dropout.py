@@ -380,3 +380,34 @@ def test_apply_mask_with_a_mismatched_mask_is_refused(torch):
         inferctx.apply_mask(grad, torch.ones(100, device="cuda", dtype=torch.float32), 0.5)
     with pytest.raises(ConfigError):
         inferctx.apply_mask(grad, torch.ones(100, dtype=torch.uint8), 0.5)  # CPU mask
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bits", "bytes"])
+def test_mask_out_reuses_a_buffer(mode):
+    torch = pytest.importorskip("torch")
+    n = 1000
+    x = torch.randn(n, device="cuda", dtype=torch.float16)
+    words = (n + 31) // 32
+    buf = (torch.empty(words, dtype=torch.int32, device="cuda") if mode == "bits"
+           else torch.empty(n, dtype=torch.uint8, device="cuda"))
+    y, m = inferctx.dropout(x, 0.3, mask=mode, mask_out=buf, seed=3, offset=8)
+    assert m is buf
+    y2, m2 = inferctx.dropout(x, 0.3, mask=mode, seed=3, offset=8)
+    torch.cuda.synchronize()
+    ref = torch.from_dlpack(m2)
+    assert torch.equal(buf.view(ref.dtype) if mode == "bits" else buf, ref)
+    assert torch.equal(torch.from_dlpack(y), torch.from_dlpack(y2))
+
+
+@pytest.mark.gpu
+def test_mask_out_errors():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(100, device="cuda", dtype=torch.float32)
+    for mode, buf in (("bits", torch.empty(3, dtype=torch.int32, device="cuda")),      # needs 4
+                      ("bits", torch.empty(4, dtype=torch.float32, device="cuda")),
+                      ("bytes", torch.empty(99, dtype=torch.uint8, device="cuda")),
+                      (None, torch.empty(4, dtype=torch.int32, device="cuda"))):
+        with pytest.raises(ConfigError) as info:
+            inferctx.dropout(x, 0.5, mask=mode, mask_out=buf)
+        assert info.value.argument == "mask_out"
