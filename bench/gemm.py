@@ -146,7 +146,8 @@ def host_us_per_call(fn, calls=100, reps=21):
     samples = []
     # Keep the GPU busy for longer than the loop takes, so that the calls only enqueue work and
     # the time is the host's, not the GPU's (the launch queue holds far more than `calls`).
-    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * calls * 60e-6)
+    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000)  # SM clock, kHz
+    cycles = int(khz * 1e3 * calls * 60e-6)
     for _ in range(reps):
         torch.cuda.synchronize()
         torch.cuda._sleep(cycles)
