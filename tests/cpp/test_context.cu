@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "device_memory.cuh"
 #include "inferctx/context.hpp"
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
@@ -22,6 +23,9 @@
 using namespace inferctx;
 
 namespace {
+
+using test_memory::fill_bytes;
+using test_memory::writable;
 
 int kDevice = 0;  // the current device when main() starts
 
@@ -66,34 +70,11 @@ __global__ void copy_ints(const int* src, int* dst, int n) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
 }
 
-__global__ void fill_bytes(unsigned char* p, int64_t n, unsigned char value) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    p[i] = value;
-}
-
 std::vector<unsigned char> bytes_of(const DeviceAllocation& a, int64_t n, cudaStream_t s) {
   std::vector<unsigned char> host(static_cast<size_t>(n));
   INFERCTX_CUDA(cudaMemcpyAsync(host.data(), a.data(), static_cast<size_t>(n), cudaMemcpyDeviceToHost, s), kDevice);
   INFERCTX_CUDA(cudaStreamSynchronize(s), kDevice);
   return host;
-}
-
-// Writes `value` over the first and last `n` bytes of the allocation and reads them back.
-bool writable(const DeviceAllocation& a, cudaStream_t s, unsigned char value) {
-  const int64_t n = std::min<int64_t>(a.size(), 4096);
-  auto* base = static_cast<unsigned char*>(a.data());
-  fill_bytes<<<8, 256, 0, s>>>(base, n, value);
-  fill_bytes<<<8, 256, 0, s>>>(base + a.size() - n, n, value);
-  INFERCTX_CUDA(cudaGetLastError(), kDevice);
-  std::vector<unsigned char> head(static_cast<size_t>(n)), tail(static_cast<size_t>(n));
-  INFERCTX_CUDA(cudaMemcpyAsync(head.data(), base, static_cast<size_t>(n), cudaMemcpyDeviceToHost, s), kDevice);
-  INFERCTX_CUDA(cudaMemcpyAsync(tail.data(), base + a.size() - n, static_cast<size_t>(n), cudaMemcpyDeviceToHost, s),
-                kDevice);
-  INFERCTX_CUDA(cudaStreamSynchronize(s), kDevice);
-  for (int64_t i = 0; i < n; ++i)
-    if (head[i] != value || tail[i] != value) return false;
-  return true;
 }
 
 std::vector<int> ints_of(const DeviceAllocation& a, int n, cudaStream_t s) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "device_memory.cuh"
 #include "inferctx/context.hpp"
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
@@ -18,6 +19,9 @@
 using namespace inferctx;
 
 namespace {
+
+using test_memory::fill_bytes;
+using test_memory::writable;
 
 int kDevice = 0;  // the current device when main() starts
 
@@ -70,29 +74,6 @@ PlanRequest request_224mib() {
   r.min_out_tokens = 1;
   r.dtype = static_cast<int>(DType::Float16);
   return r;
-}
-
-__global__ void fill_bytes(unsigned char* p, int64_t n, unsigned char value) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    p[i] = value;
-}
-
-// Writes the first and last 4 KiB of the allocation and reads them back.
-bool writable(const DeviceAllocation& a, cudaStream_t s, unsigned char value) {
-  const int64_t n = std::min<int64_t>(a.size(), 4096);
-  auto* base = static_cast<unsigned char*>(a.data());
-  fill_bytes<<<8, 256, 0, s>>>(base, n, value);
-  fill_bytes<<<8, 256, 0, s>>>(base + a.size() - n, n, value);
-  INFERCTX_CUDA(cudaGetLastError(), kDevice);
-  std::vector<unsigned char> head(static_cast<size_t>(n)), tail(static_cast<size_t>(n));
-  INFERCTX_CUDA(cudaMemcpyAsync(head.data(), base, static_cast<size_t>(n), cudaMemcpyDeviceToHost, s), kDevice);
-  INFERCTX_CUDA(cudaMemcpyAsync(tail.data(), base + a.size() - n, static_cast<size_t>(n), cudaMemcpyDeviceToHost, s),
-                kDevice);
-  INFERCTX_CUDA(cudaStreamSynchronize(s), kDevice);
-  for (int64_t i = 0; i < n; ++i)
-    if (head[i] != value || tail[i] != value) return false;
-  return true;
 }
 
 }  // namespace
