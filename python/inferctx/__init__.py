@@ -11,30 +11,13 @@ from ._libs import preload as _preload
 _preload()
 
 from . import errors  # noqa: E402
-from .errors import (  # noqa: E402
-    ConfigError,
-    CublasError,
-    CudaError,
-    InferCtxError,
-    NoCudaDeviceError,
-    TokenLimitError,
-    WorkspaceInUseError,
-    WorkspaceOOMError,
-    WorkspaceStateError,
-)
+from . import gemm as _gemm_module  # noqa: E402
+from .errors import *  # noqa: E402,F401,F403  (the exception classes, errors.__all__)
 from .planning import ModelShape, Region, WorkspacePlan, plan_workspace  # noqa: E402
 from .presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset  # noqa: E402
 from .context import DeviceView, Event, InferenceContext, PinnedBuffer, Stream  # noqa: E402
 from ._core import apply_mask, dropout  # noqa: E402
-from .gemm import (  # noqa: E402
-    autotune_gemm,
-    bmm,
-    clear_gemm_cache,
-    gemm,
-    gemm_cache_entries,
-    load_gemm_cache,
-    save_gemm_cache,
-)
+from .gemm import *  # noqa: E402,F401,F403  (gemm, bmm, autotune_gemm and the cache, gemm.__all__)
 
 __version__ = "0.1.0"
 
@@ -54,21 +37,7 @@ __all__ = [
     "Event",
     "dropout",
     "apply_mask",
-    "gemm",
-    "bmm",
-    "autotune_gemm",
-    "save_gemm_cache",
-    "load_gemm_cache",
-    "clear_gemm_cache",
-    "gemm_cache_entries",
     "errors",
-    "InferCtxError",
-    "ConfigError",
-    "WorkspaceOOMError",
-    "TokenLimitError",
-    "WorkspaceStateError",
-    "WorkspaceInUseError",
-    "CudaError",
-    "CublasError",
-    "NoCudaDeviceError",
+    *_gemm_module.__all__,
+    *errors.__all__,
 ]

@@ -65,7 +65,7 @@ __all__ = [
 
 _log = logging.getLogger("inferctx")
 
-_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+_CODES = {name: code for code, name in NAMES.items()}  # dtype name -> inferctx::DType code
 _BACKENDS = {0: "cublasLt", 1: "cublas"}
 _BACKEND_CODES = {v: k for k, v in _BACKENDS.items()}
 _SHORT = {0: "fp32", 1: "fp16", 2: "bf16"}
