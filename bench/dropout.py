@@ -5,7 +5,8 @@ For fp16, bf16 and fp32 inputs of 16 MiB, 256 MiB and 2 GiB (by default), in one
 * ours, mask="bits" / "bytes" / None, writing into a preallocated ``out=``;
 * ``torch.nn.functional.dropout(x, p, training=True)`` on the same tensors (it writes its output
   and a bool mask);
-* a device-to-device copy of the same input (``y.copy_(x)``), the bandwidth ceiling.
+* a device-to-device copy of the same input (``y.copy_(x)``), the bandwidth ceiling: timed first
+  and again last, and the faster of the two is used.
 
 Every call runs on torch's current stream and is timed alone between CUDA events, after warm-up;
 the figure is the median. The stream is first held by a sleep kernel long enough for the whole
@@ -157,12 +158,16 @@ def main(argv=None) -> int:
                                             ctx=ctx, stream=stream)
                 return call
 
+            def copy(i):
+                return ys[i % sets].copy_(xs[i % sets])
+
             variants = [
-                ("copy", lambda i: ys[i % sets].copy_(xs[i % sets]), 2 * nbytes),
+                ("copy", copy, 2 * nbytes),
                 ("torch", lambda i: F.dropout(xs[i % sets], args.p, training=True), 2 * nbytes + n),
                 ("ours bits", ours("bits"), 2 * nbytes + words_bytes),
                 ("ours bytes", ours("bytes"), 2 * nbytes + n),
                 ("ours none", ours(None), 2 * nbytes),
+                ("copy again", copy, 2 * nbytes),
             ]
             row = {}
             for name, fn, moved in variants:
@@ -171,6 +176,11 @@ def main(argv=None) -> int:
                 row[name] = dict(variant=name, dtype=dname, input_bytes=nbytes, elements=n, bytes_moved=moved,
                                  median_ms=med, min_ms=min(times), gbps=moved / (med * 1e-3) / 1e9,
                                  iters=iters, buffer_sets=sets)
+            # The ceiling is the faster of the two copies: the first one after a fresh allocation
+            # has been seen to run ~10 % slower than the same copy later.
+            again = row.pop("copy again")
+            if again["median_ms"] < row["copy"]["median_ms"]:
+                row["copy"] = dict(again, variant="copy")
             copy_bw = row["copy"]["gbps"]
             torch_ms = row["torch"]["median_ms"]
             for name, r in row.items():

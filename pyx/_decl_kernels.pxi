@@ -8,10 +8,10 @@ cdef extern from "inferctx/dropout.hpp" namespace "inferctx" nogil:
     int64_t dropout_mask_bytes(int64_t n, int mask_mode) except +raise_inferctx_error
     void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, float p,
                          int mask_mode, uint64_t seed, uint64_t offset, cudaStream_t stream,
-                         int device, int sm_count) except +raise_inferctx_error
+                         int device, int max_blocks) except +raise_inferctx_error
     void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype,
                             float p, int mask_mode, cudaStream_t stream, int device,
-                            int sm_count) except +raise_inferctx_error
+                            int max_blocks) except +raise_inferctx_error
 
 
 cdef extern from "inferctx/gemm.hpp" namespace "inferctx" nogil:

@@ -159,10 +159,9 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     cdef const void* xp = <const void*>a.ptr
     cdef void* yp = <void*>y_arr.ptr
     cdef int dev = a.device
-    cdef int sms = context._c.multiprocessor_count()
     with nogil:
         dropout_forward(xp, yp, <void*>mask_ptr, n, dtype, prob, mode, s, o, <cudaStream_t>handle,
-                        dev, sms)
+                        dev, 0)
     return y, m
 
 
@@ -219,9 +218,8 @@ def apply_mask(grad, mask, p, *, ctx=None, out=None, stream=None):
     cdef const void* mp = <const void*>mk.ptr
     cdef void* op = <void*>o_arr.ptr
     cdef int dev = g.device
-    cdef int sms = context._c.multiprocessor_count()
     with nogil:
-        dropout_apply_mask(gp, mp, op, n, dtype, prob, mode, <cudaStream_t>handle, dev, sms)
+        dropout_apply_mask(gp, mp, op, n, dtype, prob, mode, <cudaStream_t>handle, dev, 0)
     return result
 
 

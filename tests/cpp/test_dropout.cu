@@ -268,7 +268,7 @@ struct Outcome {
 // 256-byte aligned allocation (to take the scalar path). in_place: y is x.
 Outcome run_forward(int dtype, const std::vector<uint32_t>& x, int mode, float p, uint64_t seed, uint64_t offset,
                     size_t shift_x = 0, size_t shift_y = 0, size_t shift_mask = 0, bool in_place = false,
-                    int sm_count = 0, cudaStream_t stream = nullptr) {
+                    int max_blocks = 0, cudaStream_t stream = nullptr) {
   const int64_t n = static_cast<int64_t>(x.size());
   const size_t bytes = x.size() * static_cast<size_t>(esize(dtype));
   const size_t mask_bytes = static_cast<size_t>(dropout_mask_bytes(n, mode));
@@ -280,7 +280,7 @@ Outcome run_forward(int dtype, const std::vector<uint32_t>& x, int mode, float p
   INFERCTX_CUDA(cudaMemset(ybuf.ptr, kYFill, ybuf.size), -1);
   INFERCTX_CUDA(cudaMemset(mbuf.ptr, kMaskFill, mbuf.size), -1);
   upload(xp, to_bytes(dtype, x));
-  dropout_forward(xp, yp, mode == kNone ? nullptr : mp, n, dtype, p, mode, seed, offset, stream, -1, sm_count);
+  dropout_forward(xp, yp, mode == kNone ? nullptr : mp, n, dtype, p, mode, seed, offset, stream, -1, max_blocks);
   INFERCTX_CUDA(cudaStreamSynchronize(stream), -1);
   Outcome out;
   const auto y_all = download(yp, bytes + kGuard);
@@ -396,7 +396,7 @@ const uint64_t kOffsets[] = {0,
                              0x8000000000000000ull,
                              0xfffffffffffffffcull};
 
-const int64_t kSizes[] = {1, 2, 3, 4, 5, 31, 32, 33, 63, 1000, 1023, 1024, 1025, 2047, 4103, 32768, 65536 + 33, 1000003};
+const int64_t kSizes[] = {1, 2, 3, 4, 5, 31, 32, 33, 63, 1000, 1023, 1024, 1025, 2047, 3079, 4103, 32768, 65536 + 33, 1000003};
 
 // ================================================================================================
 // host cases
@@ -668,8 +668,8 @@ TEST_CASE("gpu: results do not depend on the launch shape, the stream or in-plac
     const auto keep = keep_vector(seed, offset, n, p);
     const Outcome base = run_forward(dtype, x, kBits, p, seed, offset);
     CHECK(matches_reference("default grid", dtype, kBits, x, keep, p, base));
-    for (int sm : {1, 2, 7, 1000}) {
-      const Outcome o = run_forward(dtype, x, kBits, p, seed, offset, 0, 0, 0, false, sm);
+    for (int blocks : {1, 2, 7, 1000}) {
+      const Outcome o = run_forward(dtype, x, kBits, p, seed, offset, 0, 0, 0, false, blocks);
       CHECK(o.y == base.y);
       CHECK(o.mask == base.mask);
     }
@@ -760,7 +760,7 @@ TEST_CASE("gpu: apply_mask scales where the mask is set, for both formats, align
       std::memcpy(wbytes.data(), words.data(), wbytes.size());
       for (int mode : {kBytes, kBits}) {
         const auto& mbytes = mode == kBits ? wbytes : mask_bytes;
-        for (int variant = 0; variant < 3; ++variant) {  // aligned, misaligned, in place
+        for (int variant = 0; variant < 4; ++variant) {  // aligned, misaligned, in place, a one-block grid
           const size_t shift = variant == 1 ? e : 0;
           DeviceBuffer gbuf(gbytes.size() + 256 + kGuard), obuf(gbytes.size() + 256 + kGuard),
               mbuf(mbytes.size() + 256);
@@ -771,7 +771,7 @@ TEST_CASE("gpu: apply_mask scales where the mask is set, for both formats, align
           INFERCTX_CUDA(cudaMemset(obuf.ptr, kYFill, obuf.size), -1);
           upload(gp, gbytes);
           upload(mp, mbytes);
-          dropout_apply_mask(gp, mp, op, n, dtype, p, mode, nullptr);
+          dropout_apply_mask(gp, mp, op, n, dtype, p, mode, nullptr, -1, variant == 3 ? 1 : 0);
           INFERCTX_CUDA(cudaDeviceSynchronize(), -1);
           const auto out = download(op, gbytes.size() + kGuard);
           int bad = 0;

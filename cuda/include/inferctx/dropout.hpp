@@ -23,7 +23,8 @@
 // Pointers are device pointers (or any memory the device can address) of contiguous arrays;
 // y may be x itself (in place) but may not partly overlap it, and the mask may overlap neither.
 // Work is queued on `stream` of `device` (-1: the calling thread's current device); the calling
-// thread's current device is the same afterwards. sm_count sizes the grid (<= 0: queried).
+// thread's current device is the same afterwards. The grid has one warp per 4 KiB of input;
+// max_blocks > 0 caps it (the kernels then loop; results are the same), <= 0 leaves it uncapped.
 // Argument errors throw ConfigError naming the argument before anything is queued; CUDA errors
 // throw CudaError.
 #pragma once
@@ -59,12 +60,12 @@ uint64_t dropout_keep_threshold(float p);
 // of 4 (one Philox counter per 4 elements; the context's increment_offset(4) gives such
 // offsets). Any n >= 0; null pointers are allowed when n == 0 (nothing is queued).
 void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, float p, int mask_mode,
-                     uint64_t seed, uint64_t offset, cudaStream_t stream, int device = -1, int sm_count = 0);
+                     uint64_t seed, uint64_t offset, cudaStream_t stream, int device = -1, int max_blocks = 0);
 
 // Backward: out_i = mask_i ? to_dtype(fl32((float)grad_i * dropout_scale(p))) : +0, for a mask
 // made by dropout_forward with the same p (Bytes: any nonzero byte counts as set; Bits: the
 // layout above, bits past n ignored). out may be grad itself. mask_mode must be Bytes or Bits.
 void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, float p,
-                        int mask_mode, cudaStream_t stream, int device = -1, int sm_count = 0);
+                        int mask_mode, cudaStream_t stream, int device = -1, int max_blocks = 0);
 
 }  // namespace inferctx
