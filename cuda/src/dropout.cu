@@ -9,8 +9,9 @@
 // Each warp takes one unit of 4 KiB of input (two tiles of a 16-bit type, one of fp32), issues
 // all of its loads before any arithmetic, then computes and stores; the grid has one warp per
 // unit, so the block scheduler refills a multiprocessor as soon as a block retires. On an H200
-// this reaches 93-98 % of a device-to-device copy's bandwidth, where a persistent grid walking
-// the array with a stride and prefetching one tile ahead reached 86-91 %.
+// this reaches 91-99 % of a device-to-device copy's bandwidth at 256 MiB and 2 GiB, where a
+// persistent grid walking the array with a stride and prefetching one tile ahead reached 86-91 %
+// (docs/benchmarks.md).
 //
 // Elements that do not fill a whole tile, and arrays whose pointers are not 16-byte aligned, take
 // a scalar path: one thread per 32-element group (one mask word). Both paths compute each element
