@@ -40,6 +40,7 @@
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
 #include "inferctx/plan.hpp"
+#include "elem.cuh"
 
 namespace inferctx {
 
@@ -122,27 +123,7 @@ __device__ __forceinline__ uint32_t keep_bits(uint4 r, uint32_t threshold) {
          (static_cast<uint32_t>(r.z >= threshold) << 2) | (static_cast<uint32_t>(r.w >= threshold) << 3);
 }
 
-// Element conversions: exact widening to float, round-to-nearest-even narrowing.
-template <typename T>
-struct Elem;
-
-template <>
-struct Elem<float> {
-  __device__ static float load(const float* p) { return *p; }
-  __device__ static void store(float* p, float v) { *p = v; }
-};
-
-template <>
-struct Elem<__half> {
-  __device__ static float load(const __half* p) { return __half2float(*p); }
-  __device__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
-};
-
-template <>
-struct Elem<__nv_bfloat16> {
-  __device__ static float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-  __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-};
+using detail::Elem;
 
 __device__ __forceinline__ float scaled_or_zero(float v, bool keep, float scale) { return keep ? v * scale : 0.0f; }
 
@@ -301,7 +282,7 @@ __device__ __forceinline__ void forward_group(const ForwardParams& P, const T* x
         const int k = q * 4 + e;
         if (k < left) {
           const bool keep = (b >> e) & 1u;
-          Elem<T>::store(y + base + k, scaled_or_zero(Elem<T>::load(x + base + k), keep, P.scale));
+          y[base + k] = Elem<T>::from_float(scaled_or_zero(Elem<T>::to_float(x[base + k]), keep, P.scale));
           if constexpr (M == MaskMode::Bytes) static_cast<uint8_t*>(mask)[base + k] = keep ? 1 : 0;
         }
       }
@@ -404,7 +385,7 @@ __device__ __forceinline__ void apply_group(const ApplyParams& P, const T* grad,
       } else {
         keep = static_cast<const uint8_t*>(mask)[base + k] != 0;
       }
-      Elem<T>::store(out + base + k, scaled_or_zero(Elem<T>::load(grad + base + k), keep, P.scale));
+      out[base + k] = Elem<T>::from_float(scaled_or_zero(Elem<T>::to_float(grad[base + k]), keep, P.scale));
     }
   }
 }

@@ -28,6 +28,7 @@
 #include "inferctx/errors.hpp"
 #include "inferctx/memory.hpp"
 #include "inferctx/stream.hpp"
+#include "elem.cuh"
 
 namespace inferctx {
 
@@ -162,23 +163,7 @@ int64_t cublas_lt_version() { return static_cast<int64_t>(cublasLtGetVersion());
 // ---------------------------------------------------------------------------------------
 // Kernels: C = beta * C for k = 0, and the autotuner's random fill, comparison and spin.
 
-template <typename T>
-__device__ inline float to_float(T x);
-template <>
-__device__ inline float to_float<float>(float x) { return x; }
-template <>
-__device__ inline float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ inline float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ inline T from_float(float x);
-template <>
-__device__ inline float from_float<float>(float x) { return x; }
-template <>
-__device__ inline __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+using detail::Elem;
 
 template <typename T>
 __global__ void scale_kernel(T* c, int64_t m, int64_t n, int64_t ldc, int64_t batch, int64_t stride_c, float beta) {
@@ -190,7 +175,7 @@ __global__ void scale_kernel(T* c, int64_t m, int64_t n, int64_t ldc, int64_t ba
     const int64_t b = i / (n * m);
     T* e = c + b * stride_c + row * ldc + col;
     // beta = 0 writes zeros without reading C, so NaN or garbage there does not survive.
-    *e = from_float<T>(beta == 0.0f ? 0.0f : beta * to_float<T>(*e));
+    *e = Elem<T>::from_float(beta == 0.0f ? 0.0f : beta * Elem<T>::to_float(*e));
   }
 }
 
@@ -208,7 +193,7 @@ __global__ void fill_random_kernel(T* p, int64_t count, uint64_t seed) {
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const uint64_t h = mix64(seed ^ mix64(static_cast<uint64_t>(i)));
     const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-    p[i] = from_float<T>(2.0f * u - 1.0f);
+    p[i] = Elem<T>::from_float(2.0f * u - 1.0f);
   }
 }
 
@@ -235,8 +220,8 @@ __global__ void compare_kernel(const T* x, const T* y, int64_t m, int64_t n, int
     const int64_t row = (i / n) % m;
     const int64_t b = i / (n * m);
     const int64_t at = b * stride + row * ld + col;
-    const double xv = to_float<T>(x[at]);
-    const double yv = to_float<T>(y[at]);
+    const double xv = Elem<T>::to_float(x[at]);
+    const double yv = Elem<T>::to_float(y[at]);
     if (!isfinite(xv) || !isfinite(yv)) {
       ++bad;
       continue;
