@@ -6,7 +6,9 @@ For fp16, bf16 and fp32 inputs of 16 MiB, 256 MiB and 2 GiB (by default), in one
 * ``torch.nn.functional.dropout(x, p, training=True)`` on the same tensors (it writes its output
   and a bool mask);
 * a device-to-device copy of the same input (``y.copy_(x)``), the bandwidth ceiling: timed first
-  and again last, and the faster of the two is used.
+  and again last, and the faster of the two is used;
+* the backward, without targets: ``inferctx.apply_mask`` with each mask format against torch's
+  ``aten.native_dropout_backward`` with a bool mask (what autograd runs for F.dropout).
 
 Every call runs on torch's current stream and is timed alone between CUDA events, after warm-up;
 the figure is the median. The stream is first held by a sleep kernel long enough for the whole
@@ -149,6 +151,10 @@ def main(argv=None) -> int:
                               for _ in range(sets)],
                      "bytes": [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(sets)],
                      None: [None] * sets}
+            for k in range(sets):  # real masks for the backward to read
+                for mode in ("bits", "bytes"):
+                    inferctx.dropout(xs[k], args.p, out=ys[k], mask=mode, mask_out=masks[mode][k], ctx=ctx,
+                                     stream=stream)
             torch.cuda.synchronize()
 
             def ours(mode):
@@ -156,6 +162,18 @@ def main(argv=None) -> int:
                     k = i % sets
                     return inferctx.dropout(xs[k], args.p, out=ys[k], mask=mode, mask_out=masks[mode][k],
                                             ctx=ctx, stream=stream)
+                return call
+
+            scale = 1.0 / (1.0 - args.p)
+
+            def torch_backward(i):
+                k = i % sets
+                return torch.ops.aten.native_dropout_backward(xs[k], masks["bytes"][k].view(torch.bool), scale)
+
+            def ours_backward(mode):
+                def call(i):
+                    k = i % sets
+                    return inferctx.apply_mask(xs[k], masks[mode][k], args.p, out=ys[k], ctx=ctx, stream=stream)
                 return call
 
             def copy(i):
@@ -167,6 +185,11 @@ def main(argv=None) -> int:
                 ("ours bits", ours("bits"), 2 * nbytes + words_bytes),
                 ("ours bytes", ours("bytes"), 2 * nbytes + n),
                 ("ours none", ours(None), 2 * nbytes),
+                # The backward, informational (no targets): torch's own dropout backward with a
+                # bool mask against apply_mask with each mask format, all into preallocated out.
+                ("torch bwd", torch_backward, 2 * nbytes + n),
+                ("ours bwd bits", ours_backward("bits"), 2 * nbytes + words_bytes),
+                ("ours bwd bytes", ours_backward("bytes"), 2 * nbytes + n),
                 ("copy again", copy, 2 * nbytes),
             ]
             row = {}
@@ -182,13 +205,13 @@ def main(argv=None) -> int:
             if again["median_ms"] < row["copy"]["median_ms"]:
                 row["copy"] = dict(again, variant="copy")
             copy_bw = row["copy"]["gbps"]
-            torch_ms = row["torch"]["median_ms"]
             for name, r in row.items():
+                backward = "bwd" in name
                 r["vs_copy_bw"] = r["gbps"] / copy_bw
-                r["vs_torch_time"] = r["median_ms"] / torch_ms
+                r["vs_torch_time"] = r["median_ms"] / row["torch bwd" if backward else "torch"]["median_ms"]
                 mode = name.split()[-1] if name.startswith("ours") else None
                 checks = []
-                if name.startswith("ours") and nbytes >= TARGET_MIN_BYTES:
+                if name.startswith("ours") and not backward and nbytes >= TARGET_MIN_BYTES:
                     checks.append(r["vs_copy_bw"] >= TARGET_COPY_FRACTION)
                     limit = TARGET_VS_TORCH.get((mode, dname))
                     if limit is not None:
@@ -202,13 +225,14 @@ def main(argv=None) -> int:
             del xs, ys, masks
             torch.cuda.empty_cache()
 
-    print("\nsummary (ours/torch time, ours/copy bandwidth; * = target missed)")
-    print(f"{'dtype':9s} {'input':>9s} | {'bits':>13s} | {'bytes':>13s} | {'none':>13s} | {'copy GB/s':>9s}")
+    print("\nsummary (ours/torch time, ours/copy bandwidth; * = target missed; bwd: against torch's backward)")
+    print(f"{'dtype':9s} {'input':>9s} | {'bits':>13s} | {'bytes':>13s} | {'none':>13s} | {'bwd bits':>13s} | "
+          f"{'bwd bytes':>13s} | {'copy GB/s':>9s}")
     for mib in args.sizes_mib:
         for dname in args.dtypes:
             sel = {r["variant"]: r for r in results if r["dtype"] == dname and r["input_bytes"] == mib * MIB}
             cells = []
-            for mode in ("bits", "bytes", "none"):
+            for mode in ("bits", "bytes", "none", "bwd bits", "bwd bytes"):
                 r = sel[f"ours {mode}"]
                 mark = "*" if r["target_met"] is False else " "
                 cells.append(f"{r['vs_torch_time']:5.2f} {r['vs_copy_bw']:5.2f}{mark}")

@@ -185,9 +185,9 @@ struct ChunkShape {
   static constexpr int kMinBlocks = sizeof(T) == 4 ? 4 : 3;
 };
 
-// Runs body(tile, k) for k < kUnitTiles over the whole tiles of each unit this warp owns: first
-// for every k with stage 0 (loads), then for every k with stage 1 (arithmetic and stores), so a
-// unit's loads are all in flight before its first use.
+// For each unit of kUnitTiles whole tiles this warp owns: load(tile, k, lane) for every tile k of
+// the unit, then finish(tile, k, lane) for every one (arithmetic and stores), so all of a unit's
+// loads are in flight before the first of them is used.
 template <typename T, typename Load, typename Finish>
 __device__ __forceinline__ void for_each_unit(int64_t tiles, Load&& load, Finish&& finish) {
   constexpr int U = ChunkShape<T>::kUnitTiles;
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, ChunkShape<T>::kMinBlocks)
 template <typename T>
 struct ApplyData {
   uint4 chunk[ChunkShape<T>::CH];
-  uint32_t mask[ChunkShape<T>::CH];  // Bits: the tile's word held by this lane (mask[0]); Bytes: chunk j's V bytes
+  uint32_t mask[ChunkShape<T>::CH];  // Bits: mask[0] is word `lane` of the tile; Bytes: chunk j's V keep bits
 };
 
 // Chunks j * 32 + lane of tile `tile` of grad and the mask covering them.
