@@ -12,26 +12,38 @@ bool means_no_device(cudaError_t status) {
          status == cudaErrorSystemDriverMismatch || status == cudaErrorSystemNotReady;
 }
 
-// Restores the device the caller had current, whatever happens in between.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice", -1);
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice", device);
-    switched_ = previous_ != device;
-  }
-  ~DeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
-
 }  // namespace
+
+CurrentDeviceScope::CurrentDeviceScope(int device) {
+  check_cuda(cudaGetDevice(&previous_), "cudaGetDevice", device);
+  current_ = previous_;
+  if (device >= 0 && previous_ != device) {
+    check_cuda(cudaSetDevice(device), "cudaSetDevice", device);
+    current_ = device;
+    switched_ = true;
+  }
+}
+
+CurrentDeviceScope::CurrentDeviceScope(int device, std::nothrow_t) noexcept {
+  if (cudaGetDevice(&previous_) != cudaSuccess) {
+    // Clear only our own failure; an error the caller has not collected yet is theirs.
+    cudaGetLastError();
+    return;
+  }
+  current_ = previous_;
+  if (device >= 0 && previous_ != device) {
+    if (cudaSetDevice(device) == cudaSuccess) {
+      current_ = device;
+      switched_ = true;
+    } else {
+      cudaGetLastError();
+    }
+  }
+}
+
+CurrentDeviceScope::~CurrentDeviceScope() {
+  if (switched_ && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
+}
 
 void throw_cuda_error(cudaError_t status, const char* call, int device) {
   const std::string name = cudaGetErrorName(status);
@@ -100,7 +112,7 @@ void check_device_ordinal(int device) {
 
 MemoryInfo memory_info(int device) {
   check_device_ordinal(device);
-  DeviceGuard guard(device);
+  CurrentDeviceScope scope(device);
   size_t free_b = 0, total_b = 0;
   check_cuda(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo", device);
   return {static_cast<int64_t>(free_b), static_cast<int64_t>(total_b)};

@@ -461,26 +461,6 @@ void check_pointer(const char* name, const void* p, int64_t alignment) {
                       std::to_string(alignment) + " bytes)");
 }
 
-// Makes `device` current for the scope and restores the caller's device afterwards.
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int device) {
-    INFERCTX_CUDA(cudaGetDevice(&previous_), -1);
-    device_ = device < 0 ? previous_ : device;
-    if (device_ != previous_) INFERCTX_CUDA(cudaSetDevice(device_), device_);
-  }
-  ~ScopedDevice() {
-    if (device_ != previous_) cudaSetDevice(previous_);
-  }
-  ScopedDevice(const ScopedDevice&) = delete;
-  ScopedDevice& operator=(const ScopedDevice&) = delete;
-  int device() const { return device_; }
-
- private:
-  int previous_ = 0;
-  int device_ = 0;
-};
-
 // Threads a launch over n elements can use: a warp per unit of whole tiles, a thread per
 // remaining group (the scalar path: a thread per group).
 template <typename T>
@@ -624,7 +604,7 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, f
       invalid("mask", "overlaps x or y; the mask needs its own " + std::to_string(mask_bytes) + " bytes");
   }
 
-  ScopedDevice scoped(device);
+  CurrentDeviceScope scoped(device);
   const int dev = scoped.device();
   if (p == 0.0f) {
     if (x != y)
@@ -673,7 +653,7 @@ void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n
   if (overlaps(mask, mask_bytes, out, bytes))
     invalid("mask", "overlaps out; the mask needs its own " + std::to_string(mask_bytes) + " bytes");
 
-  ScopedDevice scoped(device);
+  CurrentDeviceScope scoped(device);
   const int dev = scoped.device();
   if (p == 1.0f) {
     INFERCTX_CUDA(cudaMemsetAsync(out, 0, static_cast<size_t>(bytes), stream), dev);

@@ -8,33 +8,6 @@
 
 namespace inferctx {
 
-CurrentDeviceScope::CurrentDeviceScope(int device) {
-  check_cuda(cudaGetDevice(&previous_), "cudaGetDevice", device);
-  if (device >= 0 && previous_ != device) {
-    check_cuda(cudaSetDevice(device), "cudaSetDevice", device);
-    switched_ = true;
-  }
-}
-
-CurrentDeviceScope::CurrentDeviceScope(int device, std::nothrow_t) noexcept {
-  if (cudaGetDevice(&previous_) != cudaSuccess) {
-    // Clear only our own failure; an error the caller has not collected yet is theirs.
-    cudaGetLastError();
-    return;
-  }
-  if (device >= 0 && previous_ != device) {
-    if (cudaSetDevice(device) == cudaSuccess) {
-      switched_ = true;
-    } else {
-      cudaGetLastError();
-    }
-  }
-}
-
-CurrentDeviceScope::~CurrentDeviceScope() {
-  if (switched_ && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
-}
-
 void require_explicit_stream(cudaStream_t stream, const char* where) {
   if (stream == nullptr) {
     throw ConfigError("stream", std::string("stream: ") + where +

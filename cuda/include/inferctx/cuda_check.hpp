@@ -5,6 +5,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <new>
+
 #include "inferctx/errors.hpp"
 
 namespace inferctx {
@@ -21,6 +23,24 @@ inline void check_cuda(cudaError_t status, const char* call, int device = -1) {
 inline void check_cublas(cublasStatus_t status, const char* call, int device = -1) {
   if (status != CUBLAS_STATUS_SUCCESS) throw_cublas_error(status, call, device);
 }
+
+// Makes `device` current for a scope and restores the caller's device on exit, so that
+// calls on behalf of one context never change which device the caller's thread targets.
+// A negative `device` leaves the current device as it is.
+class CurrentDeviceScope {
+ public:
+  explicit CurrentDeviceScope(int device);                  // CudaError when the switch fails
+  CurrentDeviceScope(int device, std::nothrow_t) noexcept;  // best effort, for destructors
+  ~CurrentDeviceScope();
+  int device() const noexcept { return current_; }  // the device current inside the scope
+  CurrentDeviceScope(const CurrentDeviceScope&) = delete;
+  CurrentDeviceScope& operator=(const CurrentDeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+  int current_ = -1;
+  bool switched_ = false;
+};
 
 // Number of devices; throws NoCudaDeviceError when there are none or no driver.
 int device_count();

@@ -3,25 +3,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include <new>
+#include "inferctx/cuda_check.hpp"
 
 namespace inferctx {
-
-// Makes `device` current for a scope and restores the caller's device on exit, so that
-// calls on behalf of one context never change which device the caller's thread targets.
-// A negative `device` leaves the current device as it is.
-class CurrentDeviceScope {
- public:
-  explicit CurrentDeviceScope(int device);                  // CudaError when the switch fails
-  CurrentDeviceScope(int device, std::nothrow_t) noexcept;  // best effort, for destructors
-  ~CurrentDeviceScope();
-  CurrentDeviceScope(const CurrentDeviceScope&) = delete;
-  CurrentDeviceScope& operator=(const CurrentDeviceScope&) = delete;
-
- private:
-  int previous_ = -1;
-  bool switched_ = false;
-};
 
 // The null handle means the legacy default stream, which synchronises with every other
 // blocking stream; taking it by omission is the classic bug, so the functions below that take
