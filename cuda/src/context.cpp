@@ -1,7 +1,6 @@
 #include "inferctx/context.hpp"
 
 #include <algorithm>
-#include <cstdio>
 #include <map>
 #include <string>
 
@@ -11,19 +10,6 @@
 namespace inferctx {
 
 namespace {
-
-// snprintf rather than iostreams: the library formats no locale-dependent text.
-std::string human_bytes(int64_t bytes) {
-  char text[64];
-  if (bytes >= kGiB) {
-    std::snprintf(text, sizeof text, "%.2f GiB", static_cast<double>(bytes) / static_cast<double>(kGiB));
-  } else if (bytes >= kMiB) {
-    std::snprintf(text, sizeof text, "%.2f MiB", static_cast<double>(bytes) / static_cast<double>(kMiB));
-  } else {
-    return std::to_string(bytes) + " B";
-  }
-  return text;
-}
 
 // An allocation of `bytes` on `device`, or null when the device is out of memory; any other
 // failure throws.

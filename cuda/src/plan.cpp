@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 
 #include "inferctx/errors.hpp"
 
@@ -31,13 +30,6 @@ std::string format_double(const char* fmt, double value) {
   char buf[64];
   std::snprintf(buf, sizeof buf, fmt, value);
   return buf;
-}
-
-std::string human_bytes(int64_t bytes) {
-  const double b = static_cast<double>(bytes);
-  if (std::llabs(bytes) >= kGiB) return format_double("%.2f GiB", b / static_cast<double>(kGiB));
-  if (std::llabs(bytes) >= kMiB) return format_double("%.2f MiB", b / static_cast<double>(kMiB));
-  return std::to_string(bytes) + " B";
 }
 
 [[noreturn]] void invalid(const char* argument, const std::string& detail) {
@@ -199,19 +191,27 @@ struct Attempt {
   std::string why;
 };
 
-// The largest token count within max_out_tokens whose layout fits the budget (0: none).
-int64_t exact_max_tokens(const PlanRequest& r, int64_t budget) {
-  WorkspacePlan scratch;
-  int64_t lo = 0, hi = r.max_out_tokens;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (try_layout(r, mid, scratch) && scratch.workspace_bytes <= budget) {
-      lo = mid;
+// Largest v in [lo, hi] with ok(v), for a predicate true on a prefix; lo - 1 when none.
+template <class F>
+int64_t largest_true(int64_t lo, int64_t hi, F ok) {
+  int64_t best = lo - 1;
+  while (lo <= hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (ok(mid)) {
+      best = mid;
+      lo = mid + 1;
     } else {
       hi = mid - 1;
     }
   }
-  return lo;
+  return best;
+}
+
+// The largest token count within max_out_tokens whose layout fits the budget (0: none).
+int64_t exact_max_tokens(const PlanRequest& r, int64_t budget) {
+  WorkspacePlan scratch;
+  return largest_true(1, r.max_out_tokens,
+                      [&](int64_t t) { return try_layout(r, t, scratch) && scratch.workspace_bytes <= budget; });
 }
 
 Attempt attempt(const PlanRequest& r) {
@@ -270,8 +270,7 @@ Attempt attempt(const PlanRequest& r) {
                                         std::to_string(r.max_out_tokens) + "; reduce them");
   }
   p.bound_by = max_tokens == r.max_out_tokens ? "max_out_tokens" : "memory";
-  fill_regions(p);
-  a.ok = true;
+  a.ok = true;  // the caller that keeps the plan fills its regions: fits() probes need none
   return a;
 }
 
@@ -281,22 +280,6 @@ bool fits(const PlanRequest& r) {
   } catch (const ConfigError&) {
     return false;
   }
-}
-
-// Largest v in [lo, hi] with ok(v), for a predicate true on a prefix; lo - 1 when none.
-template <class F>
-int64_t largest_true(int64_t lo, int64_t hi, F ok) {
-  int64_t best = lo - 1;
-  while (lo <= hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (ok(mid)) {
-      best = mid;
-      lo = mid + 1;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return best;
 }
 
 }  // namespace
@@ -311,14 +294,12 @@ int64_t dtype_size(int dtype) {
   }
 }
 
-const char* dtype_name(int dtype) {
-  switch (dtype) {
-    case static_cast<int>(DType::Float32): return "float32";
-    case static_cast<int>(DType::Float16): return "float16";
-    case static_cast<int>(DType::BFloat16): return "bfloat16";
-    default:
-      invalid("dtype", "got code " + std::to_string(dtype) + "; valid: float32, float16, bfloat16");
-  }
+std::string human_bytes(int64_t bytes) {
+  // Compared on both sides rather than through llabs, which is undefined for INT64_MIN.
+  const double b = static_cast<double>(bytes);
+  if (bytes >= kGiB || bytes <= -kGiB) return format_double("%.2f GiB", b / static_cast<double>(kGiB));
+  if (bytes >= kMiB || bytes <= -kMiB) return format_double("%.2f MiB", b / static_cast<double>(kMiB));
+  return std::to_string(bytes) + " B";
 }
 
 int64_t workspace_bytes_for(const PlanRequest& request, int64_t tokens) {
@@ -334,7 +315,10 @@ int64_t workspace_bytes_for(const PlanRequest& request, int64_t tokens) {
 WorkspacePlan plan_workspace(const PlanRequest& request) {
   validate(request);
   Attempt a = attempt(request);
-  if (a.ok) return std::move(a.plan);
+  if (a.ok) {
+    fill_regions(a.plan);
+    return std::move(a.plan);
+  }
 
   const int64_t need = std::max(request.min_out_tokens, request.prompt_len);
   PlanRequest probe = request;

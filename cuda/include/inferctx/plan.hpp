@@ -11,7 +11,6 @@ enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2 };
 
 // Bytes per element; throws ConfigError("dtype") for a value outside DType.
 int64_t dtype_size(int dtype);
-const char* dtype_name(int dtype);
 
 enum class Policy : int { Exact = 0, DeepSpeed = 1 };
 
@@ -79,6 +78,10 @@ inline constexpr int64_t kGiB = int64_t{1} << 30;
 // Validates the request (ConfigError naming the argument) and plans it; a request that
 // cannot fit throws WorkspaceOOMError with the largest batch and max_out_tokens that would.
 WorkspacePlan plan_workspace(const PlanRequest& request);
+
+// Binary units with two decimals: "1.50 GiB", "640.00 MiB", else "123 B"; a negative count
+// (a budget below zero) keeps its sign: "-400.00 MiB".
+std::string human_bytes(int64_t bytes);
 
 // Bytes the given policy needs for `tokens` tokens; throws ConfigError on overflow.
 int64_t workspace_bytes_for(const PlanRequest& request, int64_t tokens);
