@@ -4,6 +4,7 @@
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
+#include "inferctx/plan.hpp"
 #include "inferctx/stream.hpp"
 
 namespace inferctx {
@@ -13,8 +14,7 @@ int64_t cublas_workspace_bytes(int cc_major) {
     throw ConfigError("cc_major", "cc_major: got " + std::to_string(cc_major) +
                                       "; a compute capability major version is >= 1 (e.g. 9 for sm_90)");
   }
-  constexpr int64_t kMiBytes = int64_t{1} << 20;
-  return cc_major >= 9 ? 32 * kMiBytes : 4 * kMiBytes;
+  return cc_major >= 9 ? 32 * kMiB : 4 * kMiB;
 }
 
 CublasHandle::CublasHandle(int device) : device_(device) {
@@ -55,8 +55,14 @@ void CublasHandle::destroy_handles() noexcept {
 void CublasHandle::set_stream(cudaStream_t stream) {
   require_explicit_stream(stream, "CublasHandle::set_stream");
   CurrentDeviceScope on(device_);
-  INFERCTX_CUBLAS(cublasSetStream(handle_, stream), device_);
+  INFERCTX_CUBLAS(bind_stream(stream), device_);
   stream_ = stream;
+}
+
+cublasStatus_t CublasHandle::bind_stream(cudaStream_t stream) noexcept {
+  const cublasStatus_t status = cublasSetStream(handle_, stream);
+  if (status != CUBLAS_STATUS_SUCCESS) return status;
+  return cublasSetWorkspace(handle_, workspace_->data(), static_cast<size_t>(workspace_->size()));
 }
 
 void CublasHandle::set_tf32(bool enabled) {

@@ -71,7 +71,7 @@ InferenceContext::~InferenceContext() {
   // An adopted stream may already be destroyed by its owner; the handle is rebound to the own
   // stream, and destroyed while that stream still exists (members die in reverse order, which
   // would take the streams first).
-  if (cublas_ && own_stream_.handle() != nullptr) cublasSetStream(cublas_->get(), own_stream_.handle());
+  if (cublas_ && own_stream_.handle() != nullptr) cublas_->bind_stream(own_stream_.handle());
   cublas_.reset();
 }
 

@@ -544,7 +544,9 @@ cublasStatus_t run_lt(const CublasHandle& handle, cudaStream_t stream, const Pla
 }
 
 // cuBLAS's handle is bound to one stream (the context's compute stream); this binds it to
-// `stream` for a scope when that differs, and binds it back afterwards.
+// `stream` for a scope when that differs, and binds it back afterwards. On the other stream
+// cublasGemmEx uses cuBLAS's own workspace pool (cublasSetStream resets it) rather than share
+// the handle's; binding back sets the handle's workspace again.
 class HandleStreamScope {
  public:
   HandleStreamScope(CublasHandle& handle, cudaStream_t stream) : handle_(handle), previous_(handle.stream()) {
@@ -554,7 +556,7 @@ class HandleStreamScope {
     }
   }
   ~HandleStreamScope() {
-    if (switched_) cublasSetStream(handle_.get(), previous_);
+    if (switched_) handle_.bind_stream(previous_);
   }
   HandleStreamScope(const HandleStreamScope&) = delete;
   HandleStreamScope& operator=(const HandleStreamScope&) = delete;

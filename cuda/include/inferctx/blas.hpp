@@ -26,8 +26,13 @@ class CublasHandle {
   int64_t workspace_bytes() const noexcept { return workspace_->size(); }
   int device() const noexcept { return device_; }
 
-  void set_stream(cudaStream_t stream);  // cublasSetStream, checked; nullptr refused (stream.hpp)
+  void set_stream(cudaStream_t stream);  // bind_stream, checked; nullptr refused (stream.hpp)
   cudaStream_t stream() const noexcept { return stream_; }
+  // Runs the handle's calls on `stream` (without recording it as stream()): cublasSetStream,
+  // then cublasSetWorkspace again, because setting a stream resets cuBLAS to its own workspace
+  // pool, memory the workspace planner cannot see. For binding back after a scoped switch and
+  // for destructors.
+  cublasStatus_t bind_stream(cudaStream_t stream) noexcept;
   // TF32 tensor-op math for fp32 GEMMs (CUBLAS_TF32_TENSOR_OP_MATH) when true, default otherwise.
   void set_tf32(bool enabled);
   bool tf32() const noexcept { return tf32_; }
