@@ -42,12 +42,10 @@ static_assert(sizeof(cublasLtMatmulAlgo_t) == kAlgoWords * sizeof(uint64_t),
 // ---------------------------------------------------------------------------------------
 // Types
 
-int64_t element_bytes(int dtype) { return dtype == static_cast<int>(DType::Float32) ? 4 : 2; }
-
 cudaDataType_t data_type(int dtype) {
-  switch (dtype) {
-    case 0: return CUDA_R_32F;
-    case 1: return CUDA_R_16F;
+  switch (static_cast<DType>(dtype)) {
+    case DType::Float32: return CUDA_R_32F;
+    case DType::Float16: return CUDA_R_16F;
     default: return CUDA_R_16BF;
   }
 }
@@ -165,15 +163,20 @@ int64_t cublas_lt_version() { return static_cast<int64_t>(cublasLtGetVersion());
 
 using detail::Elem;
 
+// Offset of the i-th element, in row-major order over (batch, m, n), of strided row-major matrices.
+__device__ inline int64_t matrix_element(int64_t i, int64_t m, int64_t n, int64_t ld, int64_t stride) {
+  const int64_t col = i % n;
+  const int64_t row = (i / n) % m;
+  const int64_t b = i / (n * m);
+  return b * stride + row * ld + col;
+}
+
 template <typename T>
 __global__ void scale_kernel(T* c, int64_t m, int64_t n, int64_t ldc, int64_t batch, int64_t stride_c, float beta) {
   const int64_t total = batch * m * n;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t col = i % n;
-    const int64_t row = (i / n) % m;
-    const int64_t b = i / (n * m);
-    T* e = c + b * stride_c + row * ldc + col;
+    T* e = c + matrix_element(i, m, n, ldc, stride_c);
     // beta = 0 writes zeros without reading C, so NaN or garbage there does not survive.
     *e = Elem<T>::from_float(beta == 0.0f ? 0.0f : beta * Elem<T>::to_float(*e));
   }
@@ -203,7 +206,8 @@ struct CompareSums {
   unsigned long long nonfinite;
 };
 
-__device__ inline double warp_sum(double v) {
+template <typename V>
+__device__ inline V warp_sum(V v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
   return v;
 }
@@ -216,10 +220,7 @@ __global__ void compare_kernel(const T* x, const T* y, int64_t m, int64_t n, int
   const int64_t total = batch * m * n;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t col = i % n;
-    const int64_t row = (i / n) % m;
-    const int64_t b = i / (n * m);
-    const int64_t at = b * stride + row * ld + col;
+    const int64_t at = matrix_element(i, m, n, ld, stride);
     const double xv = Elem<T>::to_float(x[at]);
     const double yv = Elem<T>::to_float(y[at]);
     if (!isfinite(xv) || !isfinite(yv)) {
@@ -231,7 +232,7 @@ __global__ void compare_kernel(const T* x, const T* y, int64_t m, int64_t n, int
   }
   d2 = warp_sum(d2);
   r2 = warp_sum(r2);
-  for (int offset = 16; offset > 0; offset >>= 1) bad += __shfl_down_sync(0xffffffffu, bad, offset);
+  bad = warp_sum(bad);
   if ((threadIdx.x & 31) == 0) {
     atomicAdd(&out->diff2, d2);
     atomicAdd(&out->ref2, r2);
@@ -703,7 +704,7 @@ void validate_gemm(const GemmProblem& p) {
     if (p.stride_b < 0) reject("stride_b", "got " + str(p.stride_b) + "; batch strides must be >= 0");
     if (p.stride_c < 0) reject("stride_c", "got " + str(p.stride_c) + "; batch strides must be >= 0");
   }
-  const int64_t es = element_bytes(p.dtype);
+  const int64_t es = dtype_size(p.dtype);
   const int64_t batch_for_span = p.batch > 1 ? p.batch : 1;
   span_elements("lda", "stride_a", stored_a(p), p.lda, batch_for_span, p.batch > 1 ? p.stride_a : 0, es);
   span_elements("ldb", "stride_b", stored_b(p), p.ldb, batch_for_span, p.batch > 1 ? p.stride_b : 0, es);
@@ -727,7 +728,7 @@ void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
   check_pointer("a", a, "A", stored_a(p).rows, stored_a(p).cols);
   check_pointer("b", b, "B", stored_b(p).rows, stored_b(p).cols);
 
-  const int64_t es = element_bytes(p.dtype);
+  const int64_t es = dtype_size(p.dtype);
   const int align_a = alignment_of(a, p.batch, p.stride_a, es);
   const int align_b = alignment_of(b, p.batch, p.stride_b, es);
   const int align_c = alignment_of(c, p.batch, p.stride_c, es);
@@ -777,7 +778,7 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
   const GemmProblem p = normalized(problem);
   const int device = handle.device();
   CurrentDeviceScope scope(device);
-  const int64_t es = element_bytes(p.dtype);
+  const int64_t es = dtype_size(p.dtype);
   const int64_t span_a = span_elements("lda", "stride_a", stored_a(p), p.lda, p.batch, p.stride_a, es);
   const int64_t span_b = span_elements("ldb", "stride_b", stored_b(p), p.ldb, p.batch, p.stride_b, es);
   const int64_t span_c = span_elements("ldc", "stride_c", Stored{p.m, p.n}, p.ldc, p.batch, p.stride_c, es);
