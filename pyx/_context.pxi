@@ -330,7 +330,8 @@ cdef class InferenceContext:
     @property
     def rng_state(self):
         """(seed, offset) of the Philox state now."""
-        return (self._c.philox().seed(), self._c.philox().offset())
+        cdef pair[uint64_t, uint64_t] state = self._c.philox().state()
+        return (state.first, state.second)
 
     # -- streams and cuBLAS --------------------------------------------------------------------
     @property

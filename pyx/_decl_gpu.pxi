@@ -105,6 +105,7 @@ cdef extern from "inferctx/philox.hpp" namespace "inferctx" nogil:
         void set_seed(uint64_t seed)
         uint64_t seed()
         uint64_t offset()
+        pair[uint64_t, uint64_t] state()
 
 
 cdef extern from "inferctx/context.hpp" namespace "inferctx" nogil:

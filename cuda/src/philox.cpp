@@ -43,4 +43,9 @@ uint64_t PhiloxState::offset() const {
   return offset_;
 }
 
+std::pair<uint64_t, uint64_t> PhiloxState::state() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {seed_, offset_};
+}
+
 }  // namespace inferctx

@@ -36,6 +36,9 @@ TEST_CASE("increments round up to multiples of 4; 0 reads the offset without adv
   r = s.increment_offset(1001);  // 1001 -> 1004
   CHECK_EQ(r.second, uint64_t{20});
   CHECK_EQ(s.offset(), uint64_t{1024});
+  CHECK(s.state() == std::make_pair(uint64_t{7}, uint64_t{1024}));
+  s.set_seed(9);
+  CHECK(s.state() == std::make_pair(uint64_t{9}, uint64_t{0}));
 }
 
 TEST_CASE("default seed is 0") {

@@ -20,6 +20,7 @@ class PhiloxState {
   void set_seed(uint64_t seed);
   uint64_t seed() const;
   uint64_t offset() const;
+  std::pair<uint64_t, uint64_t> state() const;  // (seed, offset), read together
 
  private:
   mutable std::mutex mutex_;
