@@ -2,8 +2,8 @@
 
 from libc.math cimport isnan
 
-# inferctx::DType codes and inferctx::MaskMode codes
-cdef dict _KERNEL_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+# inferctx::MaskMode codes. (inferctx::DType codes are the dtype indices DT_FLOAT32, DT_FLOAT16
+# and DT_BFLOAT16.)
 cdef dict _MASK_MODES = {None: 0, "bytes": 1, "bits": 2}
 
 
@@ -24,16 +24,61 @@ cdef uintptr_t _kernel_stream(InferenceContext ctx, object stream) except 0:
     return _stream_handle(stream, "stream")
 
 
+cdef int _cuda_device_of(object obj) except -2:
+    """The CUDA device of `obj` where it can be read without importing the array (a DeviceView,
+    or a DLPack exporter's __dlpack_device__); -1 where only an import tells (or `obj` is not
+    CUDA memory, which the import then reports)."""
+    if isinstance(obj, DeviceView):
+        return (<DeviceView>obj)._device
+    if hasattr(obj, "__dlpack__"):  # as_cuda_array imports it through DLPack
+        dlpack_device = getattr(obj, "__dlpack_device__", None)
+        if dlpack_device is not None:
+            device_type, device_id = dlpack_device()
+            if int(device_type) == kDLCUDA or int(device_type) == kDLCUDAManaged:
+                return int(device_id)
+    return -1
+
+
+cdef tuple _kernel_input(object obj, str argument, object ctx, object stream):
+    """(context, stream handle, CudaArray) of a kernel's input `obj`, named `argument`.
+
+    The context is `ctx`, or that of obj's device when ctx is None; the handle is `stream`'s,
+    or that context's compute stream. obj is imported once, ordered before that stream; only
+    when its device cannot be read beforehand (see _cuda_device_of) is it first imported
+    unordered to learn it. Raises ConfigError for a bad ctx or an array on another device than
+    ctx's, before the caller allocates anything.
+    """
+    cdef InferenceContext context
+    cdef CudaArray a
+    cdef int device
+    if ctx is None:
+        device = _cuda_device_of(obj)
+        if device < 0:
+            device = as_cuda_array(obj, argument, 0).device
+        context = _context_of(device)
+    elif isinstance(ctx, InferenceContext):
+        context = <InferenceContext>ctx
+    else:
+        raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
+                           f"None", argument="ctx")
+    cdef uintptr_t handle = _kernel_stream(context, stream)
+    a = as_cuda_array(obj, argument, handle)  # now ordered after its producer, on our stream
+    if a.device != context.device:
+        raise _ConfigError(f"{argument}: is on cuda:{a.device} but ctx is the context of cuda:"
+                           f"{context.device}", argument=argument)
+    return context, handle, a
+
+
 cdef int _kernel_dtype(CudaArray a, str argument) except -1:
-    code = _KERNEL_DTYPES.get(a.dtype)
-    if code is None:
+    """The inferctx::DType code of a kernel's input, which is its dtype index."""
+    if a._dtype != DT_FLOAT32 and a._dtype != DT_FLOAT16 and a._dtype != DT_BFLOAT16:
         raise _ConfigError(f"{argument}: dtype {a.dtype} is not supported; valid: float32, float16, "
                            f"bfloat16", argument=argument)
     if not a.contiguous:
         raise _ConfigError(f"{argument}: shape {list(a.shape)} with strides {list(a.strides)} (elements) "
                            f"is not contiguous; pass a contiguous array (e.g. x.contiguous())",
                            argument=argument)
-    return code
+    return a._dtype
 
 
 cdef CudaArray _out_arg(object out, CudaArray like, str what, uintptr_t stream):
@@ -50,20 +95,37 @@ cdef CudaArray _out_arg(object out, CudaArray like, str what, uintptr_t stream):
     return o
 
 
-cdef CudaArray _mask_out_arg(object mask_out, int mode, CudaArray like, uintptr_t stream):
-    cdef CudaArray m = as_cuda_array(mask_out, "mask_out", stream)
+cdef int _mask_arg(CudaArray m, str argument, int mode, CudaArray like, str what) except -1:
+    """Checks the dropout mask `m`, named `argument`, for the elements of `like` (named `what`);
+    returns its MaskMode.
+
+    mode 0: a mask to read (apply_mask's), its format taken from its dtype. mode 1 (bytes) or
+    2 (bits): a mask to write in that format (dropout's mask_out), so it must be writable.
+    """
+    if m.device != like.device:
+        raise _ConfigError(f"{argument}: is on cuda:{m.device}, {what} on cuda:{like.device}",
+                           argument=argument)
+    if not m.contiguous:
+        raise _ConfigError(f"{argument}: must be contiguous", argument=argument)
+    if mode != 0 and m.read_only:
+        raise _ConfigError(f"{argument}: the array is read-only", argument=argument)
+    # Bits are uint32 words (int32 taken as well), bytes one uint8 (int8, bool) per element.
+    cdef bint words = m._dtype == DT_UINT32 or m._dtype == DT_INT32
+    cdef bint bytes_ = m._dtype == DT_UINT8 or m._dtype == DT_INT8 or m._dtype == DT_BOOL
+    if mode == 0:
+        if not words and not bytes_:
+            raise _ConfigError(f"{argument}: dtype {m.dtype} is not a dropout mask; valid: uint32 "
+                               f"(bits) or uint8 (bytes)", argument=argument)
+        mode = 2 if words else 1
     cdef int64_t n = like.size
-    if m.device != like.device or not m.contiguous or m.read_only:
-        raise _ConfigError(f"mask_out: must be a writable contiguous array on cuda:{like.device}; "
-                           f"got one on cuda:{m.device}", argument="mask_out")
-    if mode == 2:
-        if m.dtype not in ("uint32", "int32") or m.size != (n + 31) // 32:
-            raise _ConfigError(f"mask_out: a bit mask for {n} elements is {(n + 31) // 32} uint32 (or "
-                               f"int32) words; got {m.dtype}{list(m.shape)}", argument="mask_out")
-    elif m.dtype not in ("uint8", "int8", "bool") or m.size != n:
-        raise _ConfigError(f"mask_out: a byte mask for {n} elements is {n} uint8 values; got "
-                           f"{m.dtype}{list(m.shape)}", argument="mask_out")
-    return m
+    cdef int64_t elements = dropout_mask_elements(n, mode)
+    if mode == 2 and not (words and m.size == elements):
+        raise _ConfigError(f"{argument}: a bit mask for {n} elements is {elements} uint32 (or "
+                           f"int32) words; got {m.dtype}{list(m.shape)}", argument=argument)
+    if mode == 1 and not (bytes_ and m.size == elements):
+        raise _ConfigError(f"{argument}: a byte mask for {n} elements is {elements} uint8 values; "
+                           f"got {m.dtype}{list(m.shape)}", argument=argument)
+    return mode
 
 
 def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, offset=None,
@@ -110,21 +172,7 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     cdef InferenceContext context
     cdef uintptr_t handle
     cdef CudaArray a
-    if ctx is None:
-        a = as_cuda_array(x, "x", 0)
-        context = _context_of(a.device)
-        handle = _kernel_stream(context, stream)
-        a = as_cuda_array(x, "x", handle)  # now ordered after its producer, on our stream
-    else:
-        if not isinstance(ctx, InferenceContext):
-            raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
-                               f"None", argument="ctx")
-        context = <InferenceContext>ctx
-        handle = _kernel_stream(context, stream)
-        a = as_cuda_array(x, "x", handle)
-        if a.device != context.device:
-            raise _ConfigError(f"x: is on cuda:{a.device} but ctx is the context of cuda:"
-                               f"{context.device}", argument="x")
+    context, handle, a = _kernel_input(x, "x", ctx, stream)
     cdef int dtype = _kernel_dtype(a, "x")
     cdef uint64_t s, o
     cdef pair[uint64_t, uint64_t] state
@@ -134,30 +182,33 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     else:
         s = _uint64_arg(seed, "seed")
         o = _uint64_arg(offset, "offset")
-    cdef CudaArray y_arr
-    if out is None:
-        y = _new_view(a.device, a._dtype, a.shape)
-        y_arr = as_cuda_array(y, "out", 0)
-    else:
-        y_arr = _out_arg(out, a, "x", handle)
-        y = out
     cdef int64_t n = a.size
-    m = None
+    # The outputs given are checked before any is allocated.
+    cdef uintptr_t y_ptr = 0
     cdef uintptr_t mask_ptr = 0
+    cdef CudaArray mk
+    if out is not None:
+        y_ptr = _out_arg(out, a, "x", handle).ptr
     if mask_out is not None:
         if mode == 0:
             raise _ConfigError("mask_out: given with mask=None; pass mask='bits' or 'bytes'",
                                argument="mask_out")
-        mask_ptr = _mask_out_arg(mask_out, mode, a, handle).ptr
-        m = mask_out
-    elif mode == 2:
-        m = _new_view(a.device, _dtype_index("uint32", "mask"), ((n + 31) // 32,))
-        mask_ptr = (<DeviceView>m)._ptr
-    elif mode == 1:
-        m = _new_view(a.device, _dtype_index("uint8", "mask"), a.shape)
+        mk = as_cuda_array(mask_out, "mask_out", handle)
+        _mask_arg(mk, "mask_out", mode, a, "x")
+        mask_ptr = mk.ptr
+    y = out
+    if out is None:
+        y = _new_view(a.device, a._dtype, a.shape)
+        y_ptr = (<DeviceView>y)._ptr
+    m = mask_out
+    if mask_out is None and mode != 0:
+        if mode == 2:  # ceil(n / 32) uint32 words
+            m = _new_view(a.device, DT_UINT32, (dropout_mask_elements(n, mode),))
+        else:  # a uint8 per element, in x's shape
+            m = _new_view(a.device, DT_UINT8, a.shape)
         mask_ptr = (<DeviceView>m)._ptr
     cdef const void* xp = <const void*>a.ptr
-    cdef void* yp = <void*>y_arr.ptr
+    cdef void* yp = <void*>y_ptr
     cdef int dev = a.device
     with nogil:
         dropout_forward(xp, yp, <void*>mask_ptr, n, dtype, prob, mode, s, o, <cudaStream_t>handle,
@@ -173,50 +224,23 @@ def apply_mask(grad, mask, p, *, ctx=None, out=None, stream=None):
     """
     cdef float prob = _probability_arg(p)
     cdef InferenceContext context
-    cdef CudaArray g = as_cuda_array(grad, "grad", 0)
-    if ctx is None:
-        context = _context_of(g.device)
-    elif isinstance(ctx, InferenceContext):
-        context = <InferenceContext>ctx
-    else:
-        raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
-                           f"None", argument="ctx")
-    cdef uintptr_t handle = _kernel_stream(context, stream)
-    g = as_cuda_array(grad, "grad", handle)
+    cdef uintptr_t handle
+    cdef CudaArray g
+    context, handle, g = _kernel_input(grad, "grad", ctx, stream)
     cdef int dtype = _kernel_dtype(g, "grad")
     cdef CudaArray mk = as_cuda_array(mask, "mask", handle)
-    cdef int64_t n = g.size
-    cdef int mode
-    if mk.device != g.device:
-        raise _ConfigError(f"mask: is on cuda:{mk.device}, grad on cuda:{g.device}", argument="mask")
-    if not mk.contiguous:
-        raise _ConfigError("mask: must be contiguous", argument="mask")
-    if mk.dtype in ("uint32", "int32"):
-        mode = 2
-        if mk.size != (n + 31) // 32:
-            raise _ConfigError(f"mask: a bit mask for {n} elements has {(n + 31) // 32} uint32 words; "
-                               f"got {mk.size}", argument="mask")
-    elif mk.dtype in ("uint8", "int8", "bool"):
-        mode = 1
-        if mk.size != n:
-            raise _ConfigError(f"mask: a byte mask for {n} elements has {n} bytes; got {mk.size}",
-                               argument="mask")
-    else:
-        raise _ConfigError(f"mask: dtype {mk.dtype} is not a dropout mask; valid: uint32 (bits) or "
-                           f"uint8 (bytes)", argument="mask")
-    cdef CudaArray o_arr
+    cdef int mode = _mask_arg(mk, "mask", 0, g, "grad")
+    cdef uintptr_t out_ptr
     if out is None:
         result = _new_view(g.device, g._dtype, g.shape)
-        o_arr = as_cuda_array(result, "out", 0)
+        out_ptr = (<DeviceView>result)._ptr
     else:
-        o_arr = _out_arg(out, g, "grad", handle)
+        out_ptr = _out_arg(out, g, "grad", handle).ptr
         result = out
-    if g.device != context.device:
-        raise _ConfigError(f"grad: is on cuda:{g.device} but ctx is the context of cuda:"
-                           f"{context.device}", argument="grad")
     cdef const void* gp = <const void*>g.ptr
     cdef const void* mp = <const void*>mk.ptr
-    cdef void* op = <void*>o_arr.ptr
+    cdef void* op = <void*>out_ptr
+    cdef int64_t n = g.size
     cdef int dev = g.device
     with nogil:
         dropout_apply_mask(gp, mp, op, n, dtype, prob, mode, <cudaStream_t>handle, dev, 0)
