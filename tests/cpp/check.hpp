@@ -4,9 +4,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -52,6 +56,46 @@ inline void skip_without_gpu() {
     std::printf("SKIP: no CUDA device\n");
     std::exit(77);
   }
+}
+
+// Runs every case when there is a GPU. Without one, runs only the cases whose names start with
+// `cpu_prefix`, then reports a skip (exit code 77) so ctest shows that the GPU cases did not run.
+inline int run_all_or_cpu_cases(const char* cpu_prefix) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) return run_all();
+  cudaGetLastError();
+  auto& all = cases();
+  const size_t len = std::strlen(cpu_prefix);
+  all.erase(std::remove_if(all.begin(), all.end(),
+                           [&](const Case& c) { return std::strncmp(c.name, cpu_prefix, len) != 0; }),
+            all.end());
+  const int rc = run_all();
+  if (rc != 0) return rc;
+  std::printf("SKIP: no CUDA device (the GPU cases did not run)\n");
+  return 77;
+}
+
+// The seed of this run's random inputs: INFERCTX_TEST_SEED when set, else a fresh one. Printed
+// once, so a failing run can be repeated.
+inline uint64_t run_seed() {
+  static const uint64_t seed = [] {
+    uint64_t s = 0;
+    if (const char* env = std::getenv("INFERCTX_TEST_SEED")) {
+      s = std::strtoull(env, nullptr, 10);
+    } else {
+      std::random_device rd;
+      s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    }
+    std::printf("random seed for this run: %llu (INFERCTX_TEST_SEED=<seed> repeats it)\n",
+                static_cast<unsigned long long>(s));
+    return s;
+  }();
+  return seed;
+}
+
+inline std::mt19937_64& rng() {
+  static std::mt19937_64 g(run_seed());
+  return g;
 }
 
 }  // namespace check

@@ -24,7 +24,6 @@ using namespace inferctx;
 
 namespace {
 
-using test_memory::fill_bytes;
 using test_memory::writable;
 
 int kDevice = 0;  // the current device when main() starts

@@ -38,22 +38,7 @@ constexpr int kBits = static_cast<int>(MaskMode::Bits);
 const char* kDTypeNames[] = {"float32", "float16", "bfloat16"};
 const char* kModeNames[] = {"none", "bytes", "bits"};
 
-uint64_t run_seed() {
-  static const uint64_t seed = [] {
-    uint64_t s = 20240601;
-    if (const char* env = std::getenv("INFERCTX_TEST_SEED")) s = std::strtoull(env, nullptr, 10);
-    std::printf("random seed for this run: %llu (INFERCTX_TEST_SEED overrides)\n", static_cast<unsigned long long>(s));
-    return s;
-  }();
-  return seed;
-}
-
-std::mt19937_64& rng() {
-  static std::mt19937_64 g(run_seed());
-  return g;
-}
-
-int64_t esize(int dtype) { return dtype == F32 ? 4 : 2; }
+using check::rng;
 
 // ---- host reference ----------------------------------------------------------------------------
 
@@ -200,7 +185,7 @@ std::vector<uint32_t> random_elements(int dtype, int64_t n) {
 }
 
 std::vector<uint8_t> to_bytes(int dtype, const std::vector<uint32_t>& elems) {
-  std::vector<uint8_t> out(elems.size() * static_cast<size_t>(esize(dtype)));
+  std::vector<uint8_t> out(elems.size() * static_cast<size_t>(dtype_size(dtype)));
   for (size_t i = 0; i < elems.size(); ++i) {
     if (dtype == F32) {
       std::memcpy(&out[i * 4], &elems[i], 4);
@@ -270,7 +255,7 @@ Outcome run_forward(int dtype, const std::vector<uint32_t>& x, int mode, float p
                     size_t shift_x = 0, size_t shift_y = 0, size_t shift_mask = 0, bool in_place = false,
                     int max_blocks = 0, cudaStream_t stream = nullptr) {
   const int64_t n = static_cast<int64_t>(x.size());
-  const size_t bytes = x.size() * static_cast<size_t>(esize(dtype));
+  const size_t bytes = x.size() * static_cast<size_t>(dtype_size(dtype));
   const size_t mask_bytes = static_cast<size_t>(dropout_mask_bytes(n, mode));
   DeviceBuffer xbuf(bytes + 256 + kGuard), ybuf(bytes + 256 + kGuard), mbuf(mask_bytes + 256 + kGuard);
   uint8_t* xp = xbuf.bytes() + shift_x;
@@ -631,7 +616,7 @@ TEST_CASE("gpu: forward equals the reference for every dtype, mask mode, odd siz
 
 TEST_CASE("gpu: misaligned pointers take the scalar path with identical results") {
   for (int dtype : {F32, F16, BF16}) {
-    const size_t e = static_cast<size_t>(esize(dtype));
+    const size_t e = static_cast<size_t>(dtype_size(dtype));
     for (int64_t n : {int64_t{1}, int64_t{33}, int64_t{1024}, int64_t{5000}, int64_t{70001}}) {
       const uint64_t seed = rng()();
       const uint64_t offset = 4ull * ((1ull << 32) - 1);
@@ -677,7 +662,7 @@ TEST_CASE("gpu: results do not depend on the launch shape, the stream or in-plac
     CHECK(on_stream.y == base.y && on_stream.mask == base.mask);
     const Outcome in_place = run_forward(dtype, x, kBits, p, seed, offset, 0, 0, 0, true);
     CHECK(in_place.y == base.y && in_place.mask == base.mask);
-    const Outcome in_place_scalar = run_forward(dtype, x, kBits, p, seed, offset, esize(dtype), 0, 0, true, 3);
+    const Outcome in_place_scalar = run_forward(dtype, x, kBits, p, seed, offset, dtype_size(dtype), 0, 0, true, 3);
     CHECK(in_place_scalar.y == base.y && in_place_scalar.mask == base.mask);
   }
   INFERCTX_CUDA(cudaStreamDestroy(stream), -1);
@@ -741,7 +726,7 @@ TEST_CASE("gpu: apply_mask scales where the mask is set, for both formats, align
   const float ps[] = {0.1f, 0.5f, 0.999f, 0.0f, 1.0f};
   int combo = 0;
   for (int dtype : {F32, F16, BF16}) {
-    const size_t e = static_cast<size_t>(esize(dtype));
+    const size_t e = static_cast<size_t>(dtype_size(dtype));
     for (int64_t n : {int64_t{1}, int64_t{31}, int64_t{33}, int64_t{1024}, int64_t{1057}, int64_t{262147}}) {
       const float p = ps[combo++ % 5];
       const float scale = scale_ref(p);
@@ -878,18 +863,6 @@ TEST_CASE("gpu: more than 2^32 elements (64-bit indexing, high counter words), s
 }  // namespace
 
 int main() {
-  int count = 0;
-  const bool have_gpu = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-  run_seed();
-  if (!have_gpu) {
-    cudaGetLastError();
-    auto& all = check::cases();
-    all.erase(std::remove_if(all.begin(), all.end(),
-                             [](const check::Case& c) { return std::strncmp(c.name, "host:", 5) != 0; }),
-              all.end());
-    const int rc = check::run_all();
-    if (rc != 0) return rc;
-    check::skip_without_gpu();  // prints SKIP and exits 77: the GPU cases did not run
-  }
-  return check::run_all();
+  check::run_seed();
+  return check::run_all_or_cpu_cases("host:");
 }

@@ -35,32 +35,17 @@ constexpr int F16 = static_cast<int>(DType::Float16);
 constexpr int BF16 = static_cast<int>(DType::BFloat16);
 const char* kDTypeNames[] = {"float32", "float16", "bfloat16"};
 
-uint64_t run_seed() {
-  static const uint64_t seed = [] {
-    std::random_device rd;
-    const uint64_t s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-    std::printf("random seed for this run: %llu\n", static_cast<unsigned long long>(s));
-    return s;
-  }();
-  return seed;
-}
-
-std::mt19937_64& rng() {
-  static std::mt19937_64 g(run_seed());
-  return g;
-}
+using check::rng;
 
 float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng()); }
-
-int64_t esize(int dtype) { return dtype == F32 ? 4 : 2; }
 
 // Host storage in the GEMM's dtype, with rounding conversions.
 struct HostMatrix {
   int dtype = F32;
   std::vector<uint8_t> bytes;
 
-  HostMatrix(int dtype_, int64_t count) : dtype(dtype_), bytes(static_cast<size_t>(count * esize(dtype_))) {}
-  int64_t count() const { return static_cast<int64_t>(bytes.size()) / esize(dtype); }
+  HostMatrix(int dtype_, int64_t count) : dtype(dtype_), bytes(static_cast<size_t>(count * dtype_size(dtype_))) {}
+  int64_t count() const { return static_cast<int64_t>(bytes.size()) / dtype_size(dtype); }
 
   float get(int64_t i) const {
     if (dtype == F32) {
@@ -88,9 +73,9 @@ struct HostMatrix {
       std::memcpy(&bytes[i * 2], &h, 2);
     }
   }
-  void set_bits(int64_t i, uint8_t byte) { std::memset(&bytes[i * esize(dtype)], byte, esize(dtype)); }
+  void set_bits(int64_t i, uint8_t byte) { std::memset(&bytes[i * dtype_size(dtype)], byte, dtype_size(dtype)); }
   bool same_bits(const HostMatrix& o, int64_t i) const {
-    return std::memcmp(&bytes[i * esize(dtype)], &o.bytes[i * esize(dtype)], esize(dtype)) == 0;
+    return std::memcmp(&bytes[i * dtype_size(dtype)], &o.bytes[i * dtype_size(dtype)], dtype_size(dtype)) == 0;
   }
 };
 
@@ -218,17 +203,10 @@ void expect_correct(CublasHandle& handle, cudaStream_t stream, const GemmProblem
 
 // A problem with every leading dimension and batch stride padded beyond what it needs.
 GemmProblem padded(int dtype, int64_t m, int64_t n, int64_t k, int64_t batch, bool ta, bool tb, int64_t pad = 3) {
-  GemmProblem p;
-  p.dtype = dtype;
-  p.trans_a = ta;
-  p.trans_b = tb;
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.batch = batch;
-  p.lda = (ta ? m : k) + pad;
-  p.ldb = (tb ? k : n) + pad;
-  p.ldc = n + pad;
+  GemmProblem p = packed_gemm_problem(dtype, m, n, k, batch, ta, tb, false);
+  p.lda += pad;
+  p.ldb += pad;
+  p.ldc += pad;
   p.stride_a = (ta ? k : m) * p.lda + 5 * pad;
   p.stride_b = (tb ? n : k) * p.ldb + 5 * pad;
   p.stride_c = m * p.ldc + 5 * pad;
@@ -753,19 +731,6 @@ TEST_CASE("gpu: host time per call (informational)") {
 }
 
 int main() {
-  int count = 0;
-  const bool have_gpu = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-  if (!have_gpu) {
-    cudaGetLastError();
-    auto& all = check::cases();
-    all.erase(std::remove_if(all.begin(), all.end(),
-                             [](const check::Case& c) { return std::strncmp(c.name, "args:", 5) != 0; }),
-              all.end());
-    const int rc = check::run_all();
-    if (rc != 0) return rc;
-    std::printf("SKIP: no CUDA device (the GPU cases did not run)\n");
-    return 77;
-  }
-  run_seed();
-  return check::run_all();
+  check::run_seed();
+  return check::run_all_or_cpu_cases("args:");
 }
