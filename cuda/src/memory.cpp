@@ -39,7 +39,7 @@ DeviceAllocation::DeviceAllocation(int device, int64_t bytes) : device_(device) 
 }
 
 DeviceAllocation::~DeviceAllocation() {
-  if (ptr_ == nullptr) return;
+  if (ptr_ == nullptr || !owns_) return;
   CurrentDeviceScope on(device_, std::nothrow);
   if (cudaFree(ptr_) != cudaSuccess) cudaGetLastError();
 }

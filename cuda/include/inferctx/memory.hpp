@@ -5,12 +5,16 @@
 
 namespace inferctx {
 
-// Bytes from cudaMalloc on one device, freed (on that device) when destroyed.
-// A failed allocation throws CudaError (code cudaErrorMemoryAllocation) and leaves nothing.
+// Device memory on one device that views hold through shared_ptr. This class's own
+// constructor takes the bytes from cudaMalloc and its destructor frees them (on that device); a
+// failed allocation throws CudaError (code cudaErrorMemoryAllocation) and leaves nothing.
+// Other kinds of device memory (a stream-ordered pool's blocks, address ranges backed by CUDA
+// virtual memory) derive from it: they construct it through the protected constructor, which
+// records the range without owning it, and release it in their own destructors.
 class DeviceAllocation {
  public:
   DeviceAllocation(int device, int64_t bytes);  // bytes >= 0; 0 gives a null pointer; device -1: current
-  ~DeviceAllocation();
+  virtual ~DeviceAllocation();
   DeviceAllocation(const DeviceAllocation&) = delete;
   DeviceAllocation& operator=(const DeviceAllocation&) = delete;
 
@@ -18,10 +22,18 @@ class DeviceAllocation {
   int64_t size() const noexcept { return bytes_; }
   int device() const noexcept { return device_; }
 
- private:
+ protected:
+  struct Borrowed {};
+  // A range that the derived class owns and frees; this base does not free it.
+  DeviceAllocation(Borrowed, int device, void* ptr, int64_t bytes) noexcept
+      : ptr_(ptr), bytes_(bytes), device_(device), owns_(false) {}
+
   void* ptr_ = nullptr;
   int64_t bytes_ = 0;
   int device_ = 0;
+
+ private:
+  bool owns_ = true;  // cudaMalloc'ed by this class's public constructor
 };
 
 // Page-locked host memory from cudaHostAlloc (portable), freed with cudaFreeHost.
