@@ -6,11 +6,11 @@ from libcpp.vector cimport vector as cpp_vector
 
 cdef extern from "inferctx/dropout.hpp" namespace "inferctx" nogil:
     int64_t dropout_mask_elements(int64_t n, int mask_mode) except +raise_inferctx_error
-    void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, float p,
+    void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p,
                          int mask_mode, uint64_t seed, uint64_t offset, cudaStream_t stream,
                          int device, int max_blocks) except +raise_inferctx_error
     void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype,
-                            float p, int mask_mode, cudaStream_t stream, int device,
+                            double p, int mask_mode, cudaStream_t stream, int device,
                             int max_blocks) except +raise_inferctx_error
 
 

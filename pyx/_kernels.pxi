@@ -7,7 +7,7 @@ from libc.math cimport isnan
 cdef dict _MASK_MODES = {None: 0, "bytes": 1, "bits": 2}
 
 
-cdef float _probability_arg(object p) except? -1:
+cdef double _probability_arg(object p) except? -1:
     if PyBool_Check(p) or not isinstance(p, (int, float)) and not hasattr(p, "__float__"):
         raise _ConfigError(f"p: got {p!r}; it must be a number in [0, 1], the probability of "
                            f"dropping an element", argument="p")
@@ -15,7 +15,7 @@ cdef float _probability_arg(object p) except? -1:
     if isnan(v) or v < 0.0 or v > 1.0:
         raise _ConfigError(f"p: got {v!r}; it must be in [0, 1], the probability of dropping an "
                            f"element", argument="p")
-    return <float>v
+    return v
 
 
 cdef uintptr_t _kernel_stream(InferenceContext ctx, object stream) except 0:
@@ -161,7 +161,7 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     -------
     (y, mask) : y is a DeviceView (or ``out``), mask a DeviceView (or ``mask_out``) or None.
     """
-    cdef float prob = _probability_arg(p)
+    cdef double prob = _probability_arg(p)
     if mask not in _MASK_MODES:
         raise _ConfigError(f"mask: got {mask!r}; valid: 'bits' (default), 'bytes' or None",
                            argument="mask")
@@ -222,7 +222,7 @@ def apply_mask(grad, mask, p, *, ctx=None, out=None, stream=None):
     ``mask`` is what ``dropout`` returned: uint32 words (bits) or uint8 (bytes, any nonzero
     byte keeps). Same ``ctx``, ``out`` and ``stream`` rules as ``dropout``; returns the result.
     """
-    cdef float prob = _probability_arg(p)
+    cdef double prob = _probability_arg(p)
     cdef InferenceContext context
     cdef uintptr_t handle
     cdef CudaArray g

@@ -415,14 +415,14 @@ __global__ void __launch_bounds__(kThreads, ChunkShape<T>::kMinBlocks)
   throw ConfigError(argument, std::string(argument) + ": " + detail);
 }
 
-std::string p_text(float p) {
+std::string p_text(double p) {
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(p));
+  std::snprintf(buf, sizeof(buf), "%.17g", p);
   return buf;
 }
 
-void check_p(float p) {
-  if (std::isnan(p) || p < 0.0f || p > 1.0f)
+void check_p(double p) {
+  if (std::isnan(p) || p < 0.0 || p > 1.0)
     invalid("p", "got " + p_text(p) + "; the drop probability must be in [0, 1]");
 }
 
@@ -559,14 +559,15 @@ int64_t dropout_mask_bytes(int64_t n, int mask_mode) {
   return mask_mode == static_cast<int>(MaskMode::Bits) ? elements * 4 : elements;
 }
 
-float dropout_scale(float p) {
+float dropout_scale(double p) {
   check_p(p);
-  if (p == 1.0f) return 0.0f;
-  return static_cast<float>(1.0 / (1.0 - static_cast<double>(p)));
+  if (p == 1.0) return 0.0f;
+  return static_cast<float>(1.0 / (1.0 - p));
 }
 
-uint64_t dropout_keep_threshold(float p) {
-  check_p(p);
+uint64_t dropout_keep_threshold(double p_in) {
+  check_p(p_in);
+  const float p = static_cast<float>(p_in);
   // Smallest r in [0, 2^32] with uniform(r) > p, taking uniform(2^32) as +infinity.
   uint64_t lo = 0, hi = uint64_t{1} << 32;
   while (lo < hi) {
@@ -580,7 +581,7 @@ uint64_t dropout_keep_threshold(float p) {
   return lo;
 }
 
-void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, float p, int mask_mode,
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
                      uint64_t seed, uint64_t offset, cudaStream_t stream, int device, int max_blocks) {
   const int64_t elem = dtype_size(dtype);
   check_n(n, elem);
@@ -606,13 +607,15 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, f
 
   CurrentDeviceScope scoped(device);
   const int dev = scoped.device();
-  if (p == 0.0f) {
+  // p rounded to float decides which elements are kept (the uniform is a float); a p that
+  // rounds to 0 or 1 keeps every element or none.
+  if (static_cast<float>(p) == 0.0f) {
     if (x != y)
       INFERCTX_CUDA(cudaMemcpyAsync(y, x, static_cast<size_t>(bytes), cudaMemcpyDefault, stream), dev);
     fill_mask_all_kept(mask, n, mode, stream, dev);
     return;
   }
-  if (p == 1.0f) {
+  if (static_cast<float>(p) == 1.0f) {
     INFERCTX_CUDA(cudaMemsetAsync(y, 0, static_cast<size_t>(bytes), stream), dev);
     if (mode != MaskMode::None) INFERCTX_CUDA(cudaMemsetAsync(mask, 0, static_cast<size_t>(mask_bytes), stream), dev);
     return;
@@ -633,7 +636,7 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, f
   }
 }
 
-void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, float p,
+void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, double p,
                         int mask_mode, cudaStream_t stream, int device, int max_blocks) {
   const int64_t elem = dtype_size(dtype);
   check_n(n, elem);
@@ -655,7 +658,7 @@ void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n
 
   CurrentDeviceScope scoped(device);
   const int dev = scoped.device();
-  if (p == 1.0f) {
+  if (p == 1.0) {
     INFERCTX_CUDA(cudaMemsetAsync(out, 0, static_cast<size_t>(bytes), stream), dev);
     return;
   }

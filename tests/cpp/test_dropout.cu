@@ -455,6 +455,11 @@ TEST_CASE("host: scale and mask sizes") {
   CHECK_EQ(float_bits(dropout_scale(0.5f)), float_bits(2.0f));
   CHECK_EQ(float_bits(dropout_scale(0.1f)), float_bits(static_cast<float>(1.0 / (1.0 - static_cast<double>(0.1f)))));
   CHECK_EQ(float_bits(dropout_scale(1.0f)), float_bits(0.0f));
+  // The scale is worked out from the double p, rounded once: for 0.9 that is 10.0f, where p
+  // rounded to float first gives 9.999998f.
+  CHECK_EQ(float_bits(dropout_scale(0.1)), float_bits(static_cast<float>(1.0 / (1.0 - 0.1))));
+  CHECK_EQ(float_bits(dropout_scale(1.0 / 3.0)), float_bits(static_cast<float>(1.0 / (1.0 - 1.0 / 3.0))));
+  CHECK_EQ(float_bits(dropout_scale(0.9)), float_bits(10.0f));
   CHECK_EQ(dropout_mask_bytes(0, kBits), 0);
   CHECK_EQ(dropout_mask_bytes(1, kBits), 4);
   CHECK_EQ(dropout_mask_bytes(32, kBits), 4);

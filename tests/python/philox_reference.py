@@ -117,11 +117,12 @@ def curand_uniform4(seed: int, subsequence, offset: int) -> np.ndarray:
 
 
 def dropout_scale(p: float) -> np.float32:
-    """The factor applied to kept elements: float32(1 / (1 - p32)) in double, 0 for p == 1."""
-    p32 = float(np.float32(p))
-    if p32 == 1.0:
+    """The factor applied to kept elements: float32(1 / (1 - p)) worked out in double from the
+    double p (one rounding, as torch rounds a Python float scalar), 0 for p == 1."""
+    p = float(p)
+    if p == 1.0:
         return np.float32(0.0)
-    return np.float32(1.0 / (1.0 - p32))
+    return np.float32(1.0 / (1.0 - p))
 
 
 def keep_threshold(p: float) -> int:

@@ -8,13 +8,15 @@
 // Every element depends only on (seed, offset, i, p): results never depend on the launch shape,
 // the path taken (vector or scalar) or the GPU.
 //
-// Arithmetic, reproducible bit for bit on any IEEE host:
-//     p32   = (float)p                              (the argument is already a float)
-//     scale = (float)(1.0 / (1.0 - (double)p32))    (one rounding; see dropout_scale)
+// Arithmetic, reproducible bit for bit on any IEEE host (p is a double):
+//     kept  = u_i > (float)p                        (curand's uniform is a float)
+//     scale = (float)(1.0 / (1.0 - p))              (worked out in double, rounded once, as torch
+//                                                    rounds a Python float scalar for a float op)
 //     y_i   = kept ? to_dtype(fl32((float)x_i * scale)) : +0
+// so y equals torch's `x * mask * (1 / (1 - p))` bit for bit given the same mask.
 // to_dtype rounds to nearest even (identity for fp32). A dropped element is +0 whatever x_i is.
-// p == 0: y is a byte copy of x (NaN payloads and -0 kept), every mask bit/byte set.
-// p == 1: y is all +0, the mask all clear.
+// (float)p == 0: y is a byte copy of x (NaN payloads and -0 kept), every mask bit/byte set.
+// (float)p == 1: y is all +0, the mask all clear.
 //
 // Masks: MaskMode::Bits stores bit i % 32 of uint32 word i / 32 (ceil(n / 32) words; the bits
 // past n in the last word are 0). MaskMode::Bytes stores one uint8 per element, 1 kept, 0
@@ -44,28 +46,28 @@ int64_t dropout_mask_bytes(int64_t n, int mask_mode);
 // Elements of the mask array: 0 (None), n uint8 (Bytes) or ceil(n / 32) uint32 (Bits).
 int64_t dropout_mask_elements(int64_t n, int mask_mode);
 
-// The factor applied to kept elements: (float)(1.0 / (1.0 - (double)p)) for p in [0, 1), and
+// The factor applied to kept elements: (float)(1.0 / (1.0 - p)) for p in [0, 1), and
 // 0 for p == 1 (nothing is kept, and apply_mask then gives zeros rather than inf * g).
 // ConfigError("p") for NaN or p outside [0, 1].
-float dropout_scale(float p);
+float dropout_scale(double p);
 
 // The smallest 32-bit Philox output r whose curand uniform fl32(fl32(r) * 2^-32 + 2^-33) is
-// greater than p: element i is kept iff r_i >= threshold. 2^32 (nothing kept) for p == 1,
+// greater than (float)p: element i is kept iff r_i >= threshold. 2^32 (nothing kept) for p == 1,
 // 0 (everything kept) for p == 0. ConfigError("p") as dropout_scale.
-uint64_t dropout_keep_threshold(float p);
+uint64_t dropout_keep_threshold(double p);
 
 // Forward: y = dropout(x) and the keep mask, for n contiguous elements of `dtype` (DType:
 // 0 fp32, 1 fp16, 2 bf16). mask_mode is a MaskMode value; `mask` must hold
 // dropout_mask_bytes(n, mask_mode) bytes (4-byte aligned for Bits). `offset` must be a multiple
 // of 4 (one Philox counter per 4 elements; the context's increment_offset(4) gives such
 // offsets). Any n >= 0; null pointers are allowed when n == 0 (nothing is queued).
-void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, float p, int mask_mode,
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
                      uint64_t seed, uint64_t offset, cudaStream_t stream, int device = -1, int max_blocks = 0);
 
 // Backward: out_i = mask_i ? to_dtype(fl32((float)grad_i * dropout_scale(p))) : +0, for a mask
 // made by dropout_forward with the same p (Bytes: any nonzero byte counts as set; Bits: the
 // layout above, bits past n ignored). out may be grad itself. mask_mode must be Bytes or Bits.
-void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, float p,
+void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, double p,
                         int mask_mode, cudaStream_t stream, int device = -1, int max_blocks = 0);
 
 }  // namespace inferctx
