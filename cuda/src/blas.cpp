@@ -31,6 +31,7 @@ CublasHandle::CublasHandle(int device) : device_(device) {
                     device);
     // Set explicitly: CUBLAS_TENSOR_OP_MATH (deprecated) would let fp32 GEMMs run in reduced precision.
     INFERCTX_CUBLAS(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH), device);
+    INFERCTX_CUDA(cudaEventCreateWithFlags(&last_use_, cudaEventDisableTiming), device);
   } catch (...) {
     destroy_handles();
     throw;
@@ -50,6 +51,10 @@ void CublasHandle::destroy_handles() noexcept {
     cublasLtDestroy(lt_);
     lt_ = nullptr;
   }
+  if (last_use_ != nullptr) {
+    cudaEventDestroy(last_use_);
+    last_use_ = nullptr;
+  }
 }
 
 void CublasHandle::set_stream(cudaStream_t stream) {
@@ -63,6 +68,24 @@ cublasStatus_t CublasHandle::bind_stream(cudaStream_t stream) noexcept {
   const cublasStatus_t status = cublasSetStream(handle_, stream);
   if (status != CUBLAS_STATUS_SUCCESS) return status;
   return cublasSetWorkspace(handle_, workspace_->data(), static_cast<size_t>(workspace_->size()));
+}
+
+bool CublasHandle::begin_use(cudaStream_t stream) {
+  require_explicit_stream(stream, "CublasHandle::begin_use");
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  INFERCTX_CUDA(cudaStreamIsCapturing(stream, &capture), device_);
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  if (stream_ != stream) set_stream(stream);
+  if (!capturing && last_use_stream_ != nullptr && last_use_stream_ != stream) {
+    INFERCTX_CUDA(cudaStreamWaitEvent(stream, last_use_, 0), device_);
+  }
+  return capturing;
+}
+
+void CublasHandle::end_use(cudaStream_t stream, bool capturing) {
+  if (capturing) return;
+  INFERCTX_CUDA(cudaEventRecord(last_use_, stream), device_);
+  last_use_stream_ = stream;
 }
 
 void CublasHandle::set_tf32(bool enabled) {

@@ -287,18 +287,24 @@ void InferenceContext::use_stream(cudaStream_t external) {
   compute_ = target;
 }
 
-void InferenceContext::sync_comp() {
+void InferenceContext::sync_comp() { sync_comp(stream()); }
+
+void InferenceContext::sync_comm() { sync_comm(stream()); }
+
+void InferenceContext::sync_comp(cudaStream_t compute) {
+  require_explicit_stream(compute, "sync_comp");
   std::lock_guard<std::mutex> lock(mutex_);
   CurrentDeviceScope on(device_);
-  INFERCTX_CUDA(cudaEventRecord(comp_done_->handle(), compute_), device_);
+  INFERCTX_CUDA(cudaEventRecord(comp_done_->handle(), compute), device_);
   INFERCTX_CUDA(cudaStreamWaitEvent(comm_stream_.handle(), comp_done_->handle(), 0), device_);
 }
 
-void InferenceContext::sync_comm() {
+void InferenceContext::sync_comm(cudaStream_t compute) {
+  require_explicit_stream(compute, "sync_comm");
   std::lock_guard<std::mutex> lock(mutex_);
   CurrentDeviceScope on(device_);
   INFERCTX_CUDA(cudaEventRecord(comm_done_->handle(), comm_stream_.handle()), device_);
-  INFERCTX_CUDA(cudaStreamWaitEvent(compute_, comm_done_->handle(), 0), device_);
+  INFERCTX_CUDA(cudaStreamWaitEvent(compute, comm_done_->handle(), 0), device_);
 }
 
 }  // namespace inferctx

@@ -27,6 +27,7 @@
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
 #include "inferctx/memory.hpp"
+#include "inferctx/pool.hpp"
 #include "inferctx/stream.hpp"
 #include "elem.cuh"
 
@@ -466,19 +467,17 @@ std::vector<cublasLtMatmulHeuristicResult_t> heuristic(const CublasHandle& handl
   return usable;
 }
 
-// The plan gemm uses for a problem seen for the first time: cuBLASLt's first choice, or
-// cublasGemmEx when cuBLASLt offers nothing.
+// The plan gemm uses for a problem seen for the first time: cublasGemmEx (or its strided
+// batched form), the call torch.matmul makes, so that an untuned product takes the algorithm
+// torch's takes and gives its bits. autotune_gemm replaces it with the fastest correct
+// candidate, cuBLASLt's included.
 std::shared_ptr<Plan> heuristic_plan(const CublasHandle& handle, const GemmProblem& p, int align_a, int align_b,
                                      int align_c) {
+  (void)align_a;
+  (void)align_b;
+  (void)align_c;
   std::shared_ptr<Plan> plan = new_plan(p, handle.device());
-  const auto found = heuristic(handle, *plan, align_a, align_b, align_c, 1);
-  if (found.empty()) {
-    plan->backend = GemmBackend::Cublas;
-  } else {
-    plan->backend = GemmBackend::CublasLt;
-    plan->algo = found.front().algo;
-    plan->workspace_bytes = found.front().workspaceSize;
-  }
+  plan->backend = GemmBackend::Cublas;
   plan->source = Source::Heuristic;
   plan->verified = true;
   return plan;
@@ -544,30 +543,6 @@ cublasStatus_t run_lt(const CublasHandle& handle, cudaStream_t stream, const Pla
                         plan.lt_c(), algo, handle.workspace(), static_cast<size_t>(handle.workspace_bytes()), stream);
 }
 
-// cuBLAS's handle is bound to one stream (the context's compute stream); this binds it to
-// `stream` for a scope when that differs, and binds it back afterwards. On the other stream
-// cublasGemmEx uses cuBLAS's own workspace pool (cublasSetStream resets it) rather than share
-// the handle's; binding back sets the handle's workspace again.
-class HandleStreamScope {
- public:
-  HandleStreamScope(CublasHandle& handle, cudaStream_t stream) : handle_(handle), previous_(handle.stream()) {
-    if (previous_ != stream) {
-      check_cublas(cublasSetStream(handle.get(), stream), "cublasSetStream", handle.device());
-      switched_ = true;
-    }
-  }
-  ~HandleStreamScope() {
-    if (switched_) handle_.bind_stream(previous_);
-  }
-  HandleStreamScope(const HandleStreamScope&) = delete;
-  HandleStreamScope& operator=(const HandleStreamScope&) = delete;
-
- private:
-  CublasHandle& handle_;
-  cudaStream_t previous_ = nullptr;
-  bool switched_ = false;
-};
-
 bool fits_int(int64_t v) { return v <= INT_MAX; }
 
 const char* cublas_call_name(const GemmProblem& p) {
@@ -576,7 +551,7 @@ const char* cublas_call_name(const GemmProblem& p) {
 
 cublasStatus_t run_cublas(CublasHandle& handle, cudaStream_t stream, const GemmProblem& p, const void* a,
                           const void* b, void* c, const float* alpha, const float* beta) {
-  HandleStreamScope bind(handle, stream);
+  (void)stream;  // the handle is bound to it (CublasHandle::begin_use)
   const cublasOperation_t op_first = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // our B goes first
   const cublasOperation_t op_second = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   // With CUBLAS_COMPUTE_32F cuBLAS follows the handle's math mode, which may allow TF32.
@@ -725,6 +700,7 @@ void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
     launch_scale(p, c, beta, stream, device);
     return;
   }
+  WorkspaceUse use(handle, stream);
   check_pointer("a", a, "A", stored_a(p).rows, stored_a(p).cols);
   check_pointer("b", b, "B", stored_b(p).rows, stored_b(p).cols);
 
@@ -796,14 +772,21 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
   const int64_t free_bytes = memory_info(device).free_bytes;
   while (sets > 1 && sets * bytes_ab + 2 * bytes_c > free_bytes / 4) --sets;
 
-  std::vector<std::unique_ptr<DeviceAllocation>> a_sets, b_sets;
+  // Temporaries come from the device's stream-ordered pool, on the tuning stream.
+  WorkspaceUse use(handle, stream);
+  if (use.capturing()) reject("stream", "tune_gemm cannot run while the stream is captured into a CUDA graph; tune before capturing");
+  const std::shared_ptr<DevicePool> pool = DevicePool::of(device);
+  std::vector<std::shared_ptr<PooledAllocation>> a_sets, b_sets;
   for (int64_t s = 0; s < sets; ++s) {
-    a_sets.push_back(std::make_unique<DeviceAllocation>(device, span_a * es));
-    b_sets.push_back(std::make_unique<DeviceAllocation>(device, span_b * es));
+    a_sets.push_back(pool->allocate(span_a * es, stream));
+    b_sets.push_back(pool->allocate(span_b * es, stream));
   }
-  DeviceAllocation c_ref(device, bytes_c), c_try(device, bytes_c);
-  DeviceAllocation sums_memory(device, static_cast<int64_t>(sizeof(CompareSums)));
-  auto* sums = static_cast<CompareSums*>(sums_memory.data());
+  const std::shared_ptr<PooledAllocation> c_ref_memory = pool->allocate(bytes_c, stream);
+  const std::shared_ptr<PooledAllocation> c_try_memory = pool->allocate(bytes_c, stream);
+  const std::shared_ptr<PooledAllocation> sums_memory = pool->allocate(static_cast<int64_t>(sizeof(CompareSums)), stream);
+  DeviceAllocation& c_ref = *c_ref_memory;
+  DeviceAllocation& c_try = *c_try_memory;
+  auto* sums = static_cast<CompareSums*>(sums_memory->data());
   const uint64_t seed = fresh_seed();
   for (int64_t s = 0; s < sets; ++s) {
     launch_fill(p.dtype, a_sets[s]->data(), span_a, seed + 2 * static_cast<uint64_t>(s), stream, device);

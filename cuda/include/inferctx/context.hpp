@@ -77,6 +77,10 @@ class InferenceContext {
   void use_stream(cudaStream_t external);
   void sync_comp();  // the comm stream waits for work queued so far on the compute stream
   void sync_comm();  // the compute stream waits for work queued so far on the comm stream
+  // The same with the compute stream named by the caller (the Python layer's current stream).
+  void sync_comp(cudaStream_t compute);
+  void sync_comm(cudaStream_t compute);
+  cudaStream_t own_stream() const noexcept { return own_stream_.handle(); }  // created with the context
 
   std::pair<uint64_t, uint64_t> increment_offset(uint64_t increment) { return philox_.increment_offset(increment); }
   void set_seed(uint64_t seed) { philox_.set_seed(seed); }

@@ -1,0 +1,91 @@
+// A stream-ordered pool of device memory per device, for what inferctx allocates itself
+// (DeviceView results of kernels, temporaries). Built on CUDA's stream-ordered allocator
+// (cudaMallocAsync / cudaFreeAsync) over a pool of our own with the release threshold at its
+// maximum, so freed blocks stay reserved for the next allocation: after warm-up no call reaches
+// cudaMalloc or cudaFree. trim() gives the unused memory back to the device.
+//
+// Ordering. A block is allocated on the stream that first uses it. Every stream that later
+// reads or writes it is noted (note_use: kernels that take it as an operand, DLPack exports
+// with the consumer's stream); a use whose stream is not known (a __cuda_array_interface__
+// export, a DLPack export with stream -1) is noted as such. When the last owner lets go, the
+// block is freed on the pool's own stream after that stream has waited (by events recorded
+// then) for every noted stream, and after a device-wide synchronisation when a use was unknown
+// or a noted stream no longer exists. So memory is never handed out again while any stream that
+// was seen using it may still do so.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "inferctx/memory.hpp"
+
+namespace inferctx {
+
+struct PoolStats {
+  int64_t reserved_bytes;       // device memory the pool holds now
+  int64_t used_bytes;           // of which handed out
+  int64_t peak_reserved_bytes;  // high-water marks since the pool was made or reset_peak()
+  int64_t peak_used_bytes;
+  int64_t allocations;          // blocks handed out and not yet freed
+};
+
+class DevicePool;
+
+// A block of a DevicePool; freed stream-ordered when destroyed (see above).
+class PooledAllocation final : public DeviceAllocation {
+ public:
+  ~PooledAllocation() override;
+  // Records that `stream` uses the memory (1 and 2: the legacy and per-thread default streams).
+  void note_use(cudaStream_t stream);
+  // Records a use on a stream that is not known.
+  void note_unknown_use() noexcept;
+
+ private:
+  friend class DevicePool;
+  PooledAllocation(std::shared_ptr<DevicePool> pool, int device, void* ptr, int64_t bytes, cudaStream_t first);
+  std::shared_ptr<DevicePool> pool_;
+  std::mutex mutex_;
+  std::vector<cudaStream_t> users_;
+  bool unknown_use_ = false;
+};
+
+class DevicePool : public std::enable_shared_from_this<DevicePool> {
+ public:
+  // The pool of `device` (-1: the current device), created on first use; thread-safe.
+  static std::shared_ptr<DevicePool> of(int device);
+
+  ~DevicePool();
+  DevicePool(const DevicePool&) = delete;
+  DevicePool& operator=(const DevicePool&) = delete;
+
+  int device() const noexcept { return device_; }
+  // `bytes` >= 0 (0 gives an empty allocation with a null pointer) usable on `stream` in stream
+  // order. CudaError (cudaErrorMemoryAllocation) when the device is out of memory.
+  std::shared_ptr<PooledAllocation> allocate(int64_t bytes, cudaStream_t stream);
+  PoolStats stats() const;
+  void reset_peak();
+  // Waits for the pending frees, then returns the unused memory to the device, keeping at least
+  // `keep_bytes` reserved. Returns the bytes reserved afterwards.
+  int64_t trim(int64_t keep_bytes = 0);
+  cudaStream_t free_stream() const noexcept { return free_stream_; }
+
+ private:
+  explicit DevicePool(int device);
+  friend class PooledAllocation;
+  void release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use) noexcept;
+  cudaEvent_t take_event();           // from the free list (or a new one)
+  void give_event(cudaEvent_t event) noexcept;
+
+  int device_ = 0;
+  cudaMemPool_t pool_ = nullptr;
+  cudaStream_t free_stream_ = nullptr;
+  mutable std::mutex mutex_;
+  std::vector<cudaEvent_t> events_;
+  int64_t live_ = 0;
+};
+
+}  // namespace inferctx

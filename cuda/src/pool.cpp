@@ -1,0 +1,216 @@
+#include "inferctx/pool.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <string>
+
+#include "inferctx/cuda_check.hpp"
+#include "inferctx/errors.hpp"
+#include "inferctx/stream.hpp"
+
+namespace inferctx {
+
+namespace {
+
+struct PoolRegistry {
+  std::mutex mutex;
+  std::map<int, std::shared_ptr<DevicePool>> pools;
+};
+
+PoolRegistry& registry() {
+  // Never destroyed: blocks may be freed by owners that outlive static destruction order.
+  static PoolRegistry* r = new PoolRegistry();
+  return *r;
+}
+
+int64_t pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr, int device) {
+  uint64_t value = 0;
+  check_cuda(cudaMemPoolGetAttribute(pool, attr, &value), "cudaMemPoolGetAttribute", device);
+  return static_cast<int64_t>(value);
+}
+
+}  // namespace
+
+std::shared_ptr<DevicePool> DevicePool::of(int device) {
+  if (device < 0) device = current_device();
+  check_device_ordinal(device);
+  PoolRegistry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::shared_ptr<DevicePool>& slot = r.pools[device];
+  if (!slot) slot.reset(new DevicePool(device));
+  return slot;
+}
+
+DevicePool::DevicePool(int device) : device_(device) {
+  CurrentDeviceScope on(device);
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypeNone;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  INFERCTX_CUDA(cudaMemPoolCreate(&pool_, &props), device);
+  // Freed blocks stay in the pool: without this the pool returns them to the device at every
+  // synchronisation, and the next allocation reaches the driver again.
+  uint64_t threshold = std::numeric_limits<uint64_t>::max();
+  try {
+    INFERCTX_CUDA(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold), device);
+    INFERCTX_CUDA(cudaStreamCreateWithFlags(&free_stream_, cudaStreamNonBlocking), device);
+  } catch (...) {
+    cudaMemPoolDestroy(pool_);
+    throw;
+  }
+}
+
+DevicePool::~DevicePool() {
+  CurrentDeviceScope on(device_, std::nothrow);
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  if (free_stream_ != nullptr) {
+    cudaStreamSynchronize(free_stream_);
+    cudaStreamDestroy(free_stream_);
+  }
+  if (pool_ != nullptr) cudaMemPoolDestroy(pool_);
+  cudaGetLastError();
+}
+
+std::shared_ptr<PooledAllocation> DevicePool::allocate(int64_t bytes, cudaStream_t stream) {
+  if (bytes < 0) {
+    throw ConfigError("bytes", "bytes: a pool allocation got " + std::to_string(bytes) + "; a byte count must be >= 0");
+  }
+  require_explicit_stream(stream, "DevicePool::allocate");
+  void* ptr = nullptr;
+  if (bytes > 0) {
+    CurrentDeviceScope on(device_);
+    const cudaError_t status = cudaMallocFromPoolAsync(&ptr, static_cast<size_t>(bytes), pool_, stream);
+    if (status != cudaSuccess) {
+      const std::string call = "cudaMallocFromPoolAsync(" + std::to_string(bytes) + " bytes)";
+      throw_cuda_error(status, call.c_str(), device_);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++live_;
+  }
+  return std::shared_ptr<PooledAllocation>(new PooledAllocation(shared_from_this(), device_, ptr, bytes, stream));
+}
+
+PoolStats DevicePool::stats() const {
+  CurrentDeviceScope on(device_);
+  PoolStats s{};
+  s.reserved_bytes = pool_attribute(pool_, cudaMemPoolAttrReservedMemCurrent, device_);
+  s.used_bytes = pool_attribute(pool_, cudaMemPoolAttrUsedMemCurrent, device_);
+  s.peak_reserved_bytes = pool_attribute(pool_, cudaMemPoolAttrReservedMemHigh, device_);
+  s.peak_used_bytes = pool_attribute(pool_, cudaMemPoolAttrUsedMemHigh, device_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  s.allocations = live_;
+  return s;
+}
+
+void DevicePool::reset_peak() {
+  CurrentDeviceScope on(device_);
+  uint64_t zero = 0;
+  INFERCTX_CUDA(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero), device_);
+  INFERCTX_CUDA(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &zero), device_);
+}
+
+int64_t DevicePool::trim(int64_t keep_bytes) {
+  if (keep_bytes < 0) {
+    throw ConfigError("keep_bytes", "keep_bytes: got " + std::to_string(keep_bytes) + "; it must be >= 0");
+  }
+  CurrentDeviceScope on(device_);
+  // Blocks whose free is still queued are in use until the free stream reaches them.
+  INFERCTX_CUDA(cudaStreamSynchronize(free_stream_), device_);
+  INFERCTX_CUDA(cudaMemPoolTrimTo(pool_, static_cast<size_t>(keep_bytes)), device_);
+  return pool_attribute(pool_, cudaMemPoolAttrReservedMemCurrent, device_);
+}
+
+cudaEvent_t DevicePool::take_event() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!events_.empty()) {
+      cudaEvent_t e = events_.back();
+      events_.pop_back();
+      return e;
+    }
+  }
+  cudaEvent_t e = nullptr;
+  INFERCTX_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), device_);
+  return e;
+}
+
+void DevicePool::give_event(cudaEvent_t event) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  events_.push_back(event);
+}
+
+void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use) noexcept {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --live_;
+  }
+  if (ptr == nullptr) return;
+  CurrentDeviceScope on(device_, std::nothrow);
+  bool ordered = !unknown_use;
+  if (ordered) {
+    for (cudaStream_t user : users) {
+      if (user == free_stream_) continue;
+      cudaEvent_t event = nullptr;
+      try {
+        event = take_event();
+      } catch (...) {
+        ordered = false;
+        break;
+      }
+      // The event is recorded now, after all the work queued on `user`, which includes every
+      // use of this block there. A stream that no longer exists fails here.
+      const bool ok = cudaEventRecord(event, user) == cudaSuccess &&
+                      cudaStreamWaitEvent(free_stream_, event, 0) == cudaSuccess;
+      give_event(event);  // reusable at once: a wait takes the state recorded at the time of the call
+      if (!ok) {
+        cudaGetLastError();
+        ordered = false;
+        break;
+      }
+    }
+  }
+  if (!ordered) {
+    // A use on a stream not known (or gone): wait for everything queued on the device.
+    if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
+  }
+  if (cudaFreeAsync(ptr, free_stream_) != cudaSuccess) {
+    cudaGetLastError();
+    // The stream-ordered free failed (a context error); a synchronous free is the last resort.
+    if (cudaFree(ptr) != cudaSuccess) cudaGetLastError();
+  }
+}
+
+PooledAllocation::PooledAllocation(std::shared_ptr<DevicePool> pool, int device, void* ptr, int64_t bytes,
+                                   cudaStream_t first)
+    : DeviceAllocation(Borrowed{}, device, ptr, bytes), pool_(std::move(pool)) {
+  users_.push_back(first);
+}
+
+PooledAllocation::~PooledAllocation() {
+  std::vector<cudaStream_t> users;
+  bool unknown = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    users.swap(users_);
+    unknown = unknown_use_;
+  }
+  pool_->release(ptr_, users, unknown);
+  ptr_ = nullptr;
+}
+
+void PooledAllocation::note_use(cudaStream_t stream) {
+  require_explicit_stream(stream, "PooledAllocation::note_use");
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (std::find(users_.begin(), users_.end(), stream) == users_.end()) users_.push_back(stream);
+}
+
+void PooledAllocation::note_unknown_use() noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  unknown_use_ = true;
+}
+
+}  // namespace inferctx
