@@ -88,6 +88,9 @@ void validate(const PlanRequest& r) {
     invalid("free_bytes", "got " + std::to_string(r.free_bytes) + "; it must be in [0, total_bytes=" +
                               std::to_string(r.total_bytes) + "]");
   const bool deepspeed = r.policy == static_cast<int>(Policy::DeepSpeed);
+  if (r.allocation_granularity < 0)
+    invalid("allocation_granularity", "got " + std::to_string(r.allocation_granularity) +
+                                          "; it must be a byte count >= 0 (0: no rounding)");
   if (r.has_reserve) {
     if (deepspeed) invalid("reserve_bytes", "applies to the exact policy only; the deepspeed policy reserves 500 MiB (100 MiB when free <= 1 GiB)");
     if (r.reserve_bytes < 0)
@@ -160,6 +163,11 @@ void layout(const PlanRequest& r, int64_t tokens, WorkspacePlan& p) {
   p.attention_scores_offset = add(act, p.kv_cache_bytes);
   p.attention_scores_bytes = scores;
   p.workspace_bytes = add(p.attention_scores_offset, scores);
+  if (!deepspeed && r.allocation_granularity > 1) {
+    // The tail up to the granule is counted, so the budget holds what is really mapped.
+    const int64_t g = r.allocation_granularity;
+    p.workspace_bytes = mul(add(p.workspace_bytes, g - 1) / g, g);
+  }
 }
 
 void fill_regions(WorkspacePlan& p) {

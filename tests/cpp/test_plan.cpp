@@ -182,6 +182,58 @@ TEST_CASE("mp_size splits heads: rank plans are identical") {
   CHECK_EQ(a.workspace_bytes, 81920 + 4 * 2048 + 1024);
 }
 
+TEST_CASE("allocation_granularity: the exact policy counts the rounding and fits it in the budget") {
+  // 16 tokens need 100352 bytes (above); in 2 MiB granules that is one granule.
+  PlanRequest r = small_exact();
+  r.allocation_granularity = 2 * kMiB;
+  WorkspacePlan p = plan_workspace(r);
+  CHECK_EQ(p.max_tokens, 16);
+  CHECK_EQ(p.workspace_bytes, 2 * kMiB);
+  CHECK_EQ(p.attention_scores_offset + p.attention_scores_bytes, 100352);  // the layout is unchanged
+  CHECK_EQ(workspace_bytes_for(r, 16), 2 * kMiB);
+
+  // max_out 1000: bytes(T) = 5120T + 4*256T + align256(8000T). Against a 3 MiB limit the
+  // unrounded plan takes T = 222 (3140096 B; T = 223 needs 3154176). Rounded to 2 MiB, a plan
+  // over 2 MiB would take 4 MiB, so T is the largest with bytes(T) <= 2097152: T = 148
+  // (2093312 B; T = 149 needs 915456 + 1192192 = 2107648).
+  r.max_out_tokens = 1000;
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  r.has_memory_limit = true;
+  r.memory_limit_bytes = 3 * kMiB;
+  r.allocation_granularity = 0;
+  WorkspacePlan plain = plan_workspace(r);
+  CHECK_EQ(plain.max_tokens, 222);
+  CHECK_EQ(plain.workspace_bytes, 3140096);
+  r.allocation_granularity = 2 * kMiB;
+  WorkspacePlan rounded = plan_workspace(r);
+  CHECK_EQ(rounded.max_tokens, 148);
+  CHECK_EQ(rounded.workspace_bytes, 2 * kMiB);
+  CHECK(rounded.bound_by == "memory");
+  r.allocation_granularity = 1;  // no rounding
+  CHECK_EQ(plan_workspace(r).workspace_bytes, 3140096);
+
+  // A limit below one granule leaves no token: OOM, with the rounded bytes as the need.
+  r.allocation_granularity = 2 * kMiB;
+  r.memory_limit_bytes = kMiB;
+  try {
+    plan_workspace(r);
+    CHECK(false);
+  } catch (const WorkspaceOOMError& e) {
+    CHECK_EQ(e.requested_bytes, 2 * kMiB);
+  }
+}
+
+TEST_CASE("allocation_granularity leaves the deepspeed policy's bytes as DeepSpeed has them") {
+  PlanRequest r = deepspeed_llama7b(8 * kGiB);
+  WorkspacePlan plain = plan_workspace(r);
+  CHECK(plain.workspace_bytes % (2 * kMiB) != 0);  // 8062894080 is not a whole number of granules
+  r.allocation_granularity = 2 * kMiB;
+  WorkspacePlan p = plan_workspace(r);
+  CHECK_EQ(p.workspace_bytes, plain.workspace_bytes);
+  CHECK_EQ(p.max_tokens, plain.max_tokens);
+}
+
 TEST_CASE("invalid requests throw ConfigError naming the argument") {
   auto arg_of = [](PlanRequest r) -> std::string {
     try {
@@ -209,6 +261,7 @@ TEST_CASE("invalid requests throw ConfigError naming the argument") {
   r = small_exact(); r.has_memory_fraction = true; r.memory_fraction = 0.0; CHECK(arg_of(r) == "memory_fraction");
   r = small_exact(); r.has_memory_fraction = true; r.memory_fraction = 1.5; CHECK(arg_of(r) == "memory_fraction");
   r = small_exact(); r.has_memory_limit = true; r.memory_limit_bytes = 0; CHECK(arg_of(r) == "memory_limit_bytes");
+  r = small_exact(); r.allocation_granularity = -1; CHECK(arg_of(r) == "allocation_granularity");
   r = small_exact(); r.batch_size = int64_t{1} << 40; r.max_out_tokens = int64_t{1} << 40;
   CHECK(arg_of(r) == "batch_size");  // 64-bit overflow
 }

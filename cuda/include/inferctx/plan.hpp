@@ -41,6 +41,10 @@ struct PlanRequest {
   int64_t memory_limit_bytes = 0;
   bool has_memory_fraction = false;
   double memory_fraction = 1.0;   // in (0, 1], a fraction of *free* memory
+  // Bytes the workspace's memory comes in (CUDA virtual memory maps whole granules): the exact
+  // policy rounds workspace_bytes up to a multiple of it and fits the rounded bytes in the
+  // budget. 0 or 1: no rounding. The deepspeed policy keeps DeepSpeed's bytes and ignores it.
+  int64_t allocation_granularity = 0;
 };
 
 struct Region {
