@@ -129,6 +129,7 @@ cdef class InferenceContext:
     cdef int64_t _scores_offset, _scores_bytes
     # Python Stream objects handed out, and the external stream object use_stream adopted.
     cdef Stream _stream_obj
+    cdef Stream _own_stream_obj
     cdef Stream _comm_stream_obj
     cdef object _adopted
     cdef object __weakref__
@@ -336,12 +337,29 @@ cdef class InferenceContext:
     # -- streams and cuBLAS --------------------------------------------------------------------
     @property
     def stream(self):
-        """The compute stream (the context's own, or the one use_stream adopted)."""
-        cdef uintptr_t handle = <uintptr_t>self._c.stream()
+        """The compute stream: the one ``use_stream`` adopted, or else the current stream (as
+        DeepSpeed's GetCurrentStream): torch's ``current_stream(device)`` once torch is
+        imported, else CuPy's current stream once CuPy is imported, else the context's own
+        (``own_stream``). Kernels on operands of no package, ``sync_comp`` / ``sync_comm`` and
+        DeviceView exports use it."""
+        cdef uintptr_t handle = _ctx_stream(self)
         if self._stream_obj is None or self._stream_obj._handle != handle:
             self._stream_obj = _borrowed_stream(handle, self.device,
                                                 self if self._adopted is None else self._adopted)
         return self._stream_obj
+
+    @property
+    def own_stream(self):
+        """The non-blocking stream the context created (ctx.stream without torch or CuPy)."""
+        cdef uintptr_t handle = <uintptr_t>self._c.own_stream()
+        if self._own_stream_obj is None:
+            self._own_stream_obj = _borrowed_stream(handle, self.device, self)
+        return self._own_stream_obj
+
+    @property
+    def memory_pool(self):
+        """The device's stream-ordered pool (MemoryPool: reserved, in use, peak; ``trim()``)."""
+        return _memory_pool(self.device)
 
     @property
     def comm_stream(self):
@@ -352,33 +370,38 @@ cdef class InferenceContext:
         return self._comm_stream_obj
 
     def use_stream(self, stream):
-        """Makes ``stream`` the compute stream (cuBLAS follows); None goes back to the context's own.
+        """Makes ``stream`` the compute stream; None goes back to following the current stream.
 
         ``stream``: an inferctx.Stream, a torch.cuda.Stream (``.cuda_stream``), a cupy stream
         (``.ptr``), anything with ``__cuda_stream__``, or a handle (int; 0 is the legacy default
         stream). It must be a stream of this context's device; the object is kept alive while
-        it is in use.
+        it is in use. Kernels on torch or CuPy operands still run on their package's current
+        stream unless given ``stream=``; the adopted stream serves operands of no package,
+        ``sync_comp`` / ``sync_comm`` and DeviceView exports.
         """
         cdef uintptr_t handle = 0
         if stream is not None:
-            handle = _stream_handle(stream, "stream")
+            handle = _checked_stream(stream, self.device, "stream")
         with nogil:
             self._c.use_stream(<cudaStream_t>handle)
         self._adopted = stream
 
     def sync_comp(self):
-        """The comm stream waits (on the GPU) for the work queued so far on the compute stream."""
+        """The comm stream waits (on the GPU) for the work queued so far on ``ctx.stream``."""
+        cdef uintptr_t compute = _ctx_stream(self)
         with nogil:
-            self._c.sync_comp()
+            self._c.sync_comp(<cudaStream_t>compute)
 
     def sync_comm(self):
-        """The compute stream waits (on the GPU) for the work queued so far on the comm stream."""
+        """``ctx.stream`` waits (on the GPU) for the work queued so far on the comm stream."""
+        cdef uintptr_t compute = _ctx_stream(self)
         with nogil:
-            self._c.sync_comm()
+            self._c.sync_comm(<cudaStream_t>compute)
 
     @property
     def cublas_handle(self):
-        """The cublasHandle_t as an int, bound to the compute stream."""
+        """The cublasHandle_t as an int, bound to the stream of the last gemm on it (bind it
+        with cublasSetStream, then restore, to call cuBLAS on it directly)."""
         return <uintptr_t>self._c.cublas().get()
 
     @property

@@ -37,6 +37,7 @@ cdef extern from "cuda_runtime_api.h" nogil:
     cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags)
     cudaError_t cudaEventSynchronize(cudaEvent_t event)
     cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attributes, const void* ptr)
+    cudaError_t cudaStreamGetDevice(cudaStream_t stream, int* device)
 
 
 cdef extern from "cublas_v2.h" nogil:
@@ -137,8 +138,35 @@ cdef extern from "inferctx/context.hpp" namespace "inferctx" nogil:
         void use_stream(cudaStream_t external) except +raise_inferctx_error
         void sync_comp() except +raise_inferctx_error
         void sync_comm() except +raise_inferctx_error
+        void sync_comp(cudaStream_t compute) except +raise_inferctx_error
+        void sync_comm(cudaStream_t compute) except +raise_inferctx_error
+        cudaStream_t own_stream()
 
         pair[uint64_t, uint64_t] increment_offset(uint64_t increment) except +raise_inferctx_error
         void set_seed(uint64_t seed)
         const PhiloxState& philox()
         CublasHandle& cublas()
+
+
+cdef extern from "inferctx/pool.hpp" namespace "inferctx" nogil:
+    cdef cppclass PoolStats:
+        int64_t reserved_bytes
+        int64_t used_bytes
+        int64_t peak_reserved_bytes
+        int64_t peak_used_bytes
+        int64_t allocations
+
+    cdef cppclass PooledAllocation(DeviceAllocation):
+        void note_use(cudaStream_t stream) except +raise_inferctx_error
+        void note_unknown_use()
+
+    cdef cppclass DevicePool:
+        @staticmethod
+        shared_ptr[DevicePool] of(int device) except +raise_inferctx_error
+        int device()
+        shared_ptr[PooledAllocation] allocate(int64_t bytes, cudaStream_t stream) except +raise_inferctx_error
+        PoolStats stats() except +raise_inferctx_error
+        void reset_peak() except +raise_inferctx_error
+        int64_t trim(int64_t keep_bytes) except +raise_inferctx_error
+
+ctypedef PooledAllocation* PooledAllocationPtr

@@ -89,7 +89,7 @@ cdef CudaArray as_cuda_array(object obj, str argument, uintptr_t stream):
     """`obj` as a CudaArray, for a kernel that runs on `stream`.
 
     `stream` is the handle of the stream the kernel will run on: the producer's pending work
-    is ordered before it (DeviceView: an event handshake with its context's compute stream;
+    is ordered before it (DeviceView: an event handshake with its context's ctx.stream;
     DLPack: passed as __dlpack__'s stream; __cuda_array_interface__: its "stream" is waited
     for). 0 asks for no ordering (the caller synchronises). Raises ConfigError naming
     `argument` for anything that is not CUDA memory.
@@ -106,7 +106,8 @@ cdef CudaArray as_cuda_array(object obj, str argument, uintptr_t stream):
 
 cdef CudaArray _from_device_view(DeviceView view, uintptr_t stream):
     if stream != 0:
-        view._ctx._order(<uintptr_t>view._ctx._c.stream(), stream)
+        view._ctx._order(_ctx_stream(view._ctx), stream)
+    _note_use(view, stream)
     return _cuda_array(view._ptr, view._shape, _contiguous_strides(view._shape), view._dtype,
                        view._device, view, False)
 

@@ -18,57 +18,6 @@ cdef double _probability_arg(object p) except? -1:
     return v
 
 
-cdef uintptr_t _kernel_stream(InferenceContext ctx, object stream) except 0:
-    if stream is None:
-        return <uintptr_t>ctx._c.stream()
-    return _stream_handle(stream, "stream")
-
-
-cdef int _cuda_device_of(object obj) except -2:
-    """The CUDA device of `obj` where it can be read without importing the array (a DeviceView,
-    or a DLPack exporter's __dlpack_device__); -1 where only an import tells (or `obj` is not
-    CUDA memory, which the import then reports)."""
-    if isinstance(obj, DeviceView):
-        return (<DeviceView>obj)._device
-    if hasattr(obj, "__dlpack__"):  # as_cuda_array imports it through DLPack
-        dlpack_device = getattr(obj, "__dlpack_device__", None)
-        if dlpack_device is not None:
-            device_type, device_id = dlpack_device()
-            if int(device_type) == kDLCUDA or int(device_type) == kDLCUDAManaged:
-                return int(device_id)
-    return -1
-
-
-cdef tuple _kernel_input(object obj, str argument, object ctx, object stream):
-    """(context, stream handle, CudaArray) of a kernel's input `obj`, named `argument`.
-
-    The context is `ctx`, or that of obj's device when ctx is None; the handle is `stream`'s,
-    or that context's compute stream. obj is imported once, ordered before that stream; only
-    when its device cannot be read beforehand (see _cuda_device_of) is it first imported
-    unordered to learn it. Raises ConfigError for a bad ctx or an array on another device than
-    ctx's, before the caller allocates anything.
-    """
-    cdef InferenceContext context
-    cdef CudaArray a
-    cdef int device
-    if ctx is None:
-        device = _cuda_device_of(obj)
-        if device < 0:
-            device = as_cuda_array(obj, argument, 0).device
-        context = _context_of(device)
-    elif isinstance(ctx, InferenceContext):
-        context = <InferenceContext>ctx
-    else:
-        raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
-                           f"None", argument="ctx")
-    cdef uintptr_t handle = _kernel_stream(context, stream)
-    a = as_cuda_array(obj, argument, handle)  # now ordered after its producer, on our stream
-    if a.device != context.device:
-        raise _ConfigError(f"{argument}: is on cuda:{a.device} but ctx is the context of cuda:"
-                           f"{context.device}", argument=argument)
-    return context, handle, a
-
-
 cdef int _kernel_dtype(CudaArray a, str argument) except -1:
     """The inferctx::DType code of a kernel's input, which is its dtype index."""
     if a._dtype != DT_FLOAT32 and a._dtype != DT_FLOAT16 and a._dtype != DT_BFLOAT16:
@@ -81,8 +30,8 @@ cdef int _kernel_dtype(CudaArray a, str argument) except -1:
     return a._dtype
 
 
-cdef CudaArray _out_arg(object out, CudaArray like, str what, uintptr_t stream):
-    cdef CudaArray o = as_cuda_array(out, "out", stream)
+cdef CudaArray _out_arg(_Call call, object out, CudaArray like, str what):
+    cdef CudaArray o = call.array(out, "out")
     if o.device != like.device or o.dtype != like.dtype or tuple(o.shape) != tuple(like.shape):
         raise _ConfigError(
             f"out: got {o.dtype}{list(o.shape)} on cuda:{o.device}; it must match {what}: "
@@ -133,33 +82,43 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     """Dropout of a CUDA array: ``y = x / (1 - p)`` where kept, 0 elsewhere; returns (y, mask).
 
     Element i is kept iff output ``i % 4`` of ``curand_uniform4`` on a Philox4_32_10 state from
-    ``curand_init(seed, i // 4, offset)`` exceeds ``p``, so the result depends only on (seed,
-    offset), never on the launch or the GPU.
+    ``curand_init(seed, i // 4, offset)`` exceeds ``p`` (rounded to float32), so the result
+    depends only on (seed, offset), never on the launch or the GPU. Kept elements are scaled by
+    ``float32(1 / (1 - p))`` worked out in double: ``y`` equals torch's
+    ``x * mask * (1 / (1 - p))`` bit for bit.
+
+    The call contract: the kernel runs on the current stream of x's package (torch's
+    ``current_stream``, CuPy's current stream), or ``ctx.stream`` for a DeviceView or other
+    array; ``stream=`` overrides. Results come back in x's package (torch in, torch out, from
+    torch's caching allocator; CuPy likewise; DeviceView from the context's pool) and are
+    complete before any later work on the caller's current stream: no synchronize is needed.
 
     Parameters
     ----------
-    x : CUDA array (DLPack or __cuda_array_interface__)
+    x : CUDA array (torch, CuPy, DeviceView, DLPack or __cuda_array_interface__)
         Contiguous float32, float16 or bfloat16.
     p : float
         Drop probability in [0, 1]; 0 copies x bit for bit, 1 gives zeros.
     ctx : InferenceContext, optional
-        Defaults to the context of x's device. Its compute stream runs the kernel and its
-        ``increment_offset(4)`` supplies (seed, offset) unless both are given.
+        Defaults to the context of x's device. Its ``increment_offset(4)`` supplies (seed,
+        offset) unless both are given.
     out : CUDA array, optional
         Receives y (same shape, dtype and device as x; may be x itself).
     mask : {"bits", "bytes", None}
-        "bits": bit ``i % 32`` of uint32 word ``i // 32``; "bytes": one uint8 per element.
+        "bits": bit ``i % 32`` of 32-bit word ``i // 32`` (uint32 words; int32 for torch, which
+        has no full uint32 support: the same bits); "bytes": one uint8 per element, 1 kept.
     mask_out : CUDA array, optional
         Receives the mask (uint32 or int32 words for "bits", uint8 for "bytes"), so that a
         loop reuses one buffer instead of allocating a mask per call.
     seed, offset : int, optional
         An explicit Philox state (offset a multiple of 4); give both or neither.
     stream : stream-like, optional
-        Run on this stream instead of the context's compute stream.
+        Run on this stream (a stream of x's device) instead of the caller's current stream;
+        the caller's current stream still waits for the result.
 
     Returns
     -------
-    (y, mask) : y is a DeviceView (or ``out``), mask a DeviceView (or ``mask_out``) or None.
+    (y, mask) : y in x's package (or ``out``), mask likewise (or ``mask_out``) or None.
     """
     cdef double prob = _probability_arg(p)
     if mask not in _MASK_MODES:
@@ -169,10 +128,12 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     if (seed is None) != (offset is None):
         raise _ConfigError("seed/offset: give both (an explicit Philox state) or neither (taken "
                            "from ctx.increment_offset(4))", argument="seed" if seed is None else "offset")
-    cdef InferenceContext context
-    cdef uintptr_t handle
-    cdef CudaArray a
-    context, handle, a = _kernel_input(x, "x", ctx, stream)
+    if mask_out is not None and mode == 0:
+        raise _ConfigError("mask_out: given with mask=None; pass mask='bits' or 'bytes'",
+                           argument="mask_out")
+    cdef _Call call = _begin_call((x, out, mask_out), ctx, stream)
+    cdef InferenceContext context = call.ctx
+    cdef CudaArray a = call.array(x, "x")
     cdef int dtype = _kernel_dtype(a, "x")
     cdef uint64_t s, o
     cdef pair[uint64_t, uint64_t] state
@@ -188,63 +149,79 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     cdef uintptr_t mask_ptr = 0
     cdef CudaArray mk
     if out is not None:
-        y_ptr = _out_arg(out, a, "x", handle).ptr
+        y_ptr = _out_arg(call, out, a, "x").ptr
     if mask_out is not None:
-        if mode == 0:
-            raise _ConfigError("mask_out: given with mask=None; pass mask='bits' or 'bytes'",
-                               argument="mask_out")
-        mk = as_cuda_array(mask_out, "mask_out", handle)
+        mk = call.array(mask_out, "mask_out")
         _mask_arg(mk, "mask_out", mode, a, "x")
         mask_ptr = mk.ptr
     y = out
     if out is None:
-        y = _new_view(a.device, a._dtype, a.shape)
-        y_ptr = (<DeviceView>y)._ptr
+        y = call.result(a._dtype, a.shape, x if call._like is x and call.package == PKG_TORCH else None)
+        y_ptr = _result_ptr(y)
     m = mask_out
     if mask_out is None and mode != 0:
-        if mode == 2:  # ceil(n / 32) uint32 words
-            m = _new_view(a.device, DT_UINT32, (dropout_mask_elements(n, mode),))
+        if mode == 2:  # ceil(n / 32) 32-bit words
+            m = call.result(DT_INT32 if call.package == PKG_TORCH else DT_UINT32,
+                            (dropout_mask_elements(n, mode),), None)
         else:  # a uint8 per element, in x's shape
-            m = _new_view(a.device, DT_UINT8, a.shape)
-        mask_ptr = (<DeviceView>m)._ptr
+            m = call.result(DT_UINT8, a.shape, None)
+        mask_ptr = _result_ptr(m)
     cdef const void* xp = <const void*>a.ptr
     cdef void* yp = <void*>y_ptr
     cdef int dev = a.device
+    cdef uintptr_t handle = call.kernel
     with nogil:
         dropout_forward(xp, yp, <void*>mask_ptr, n, dtype, prob, mode, s, o, <cudaStream_t>handle,
                         dev, 0)
+    call.finish()
     return y, m
 
 
 def apply_mask(grad, mask, p, *, ctx=None, out=None, stream=None):
     """The backward of dropout: ``grad / (1 - p)`` where ``mask`` kept the element, 0 elsewhere.
 
-    ``mask`` is what ``dropout`` returned: uint32 words (bits) or uint8 (bytes, any nonzero
-    byte keeps). Same ``ctx``, ``out`` and ``stream`` rules as ``dropout``; returns the result.
+    ``mask`` is what ``dropout`` returned: 32-bit words (bits) or uint8 (bytes, any nonzero
+    byte keeps). Same ``ctx``, ``out`` and ``stream`` rules, and the same call contract, as
+    ``dropout``; returns the result (in grad's package, or ``out``).
     """
     cdef double prob = _probability_arg(p)
-    cdef InferenceContext context
-    cdef uintptr_t handle
-    cdef CudaArray g
-    context, handle, g = _kernel_input(grad, "grad", ctx, stream)
+    cdef _Call call = _begin_call((grad, mask, out), ctx, stream, "grad")
+    cdef CudaArray g = call.array(grad, "grad")
     cdef int dtype = _kernel_dtype(g, "grad")
-    cdef CudaArray mk = as_cuda_array(mask, "mask", handle)
+    cdef CudaArray mk = call.array(mask, "mask")
     cdef int mode = _mask_arg(mk, "mask", 0, g, "grad")
     cdef uintptr_t out_ptr
     if out is None:
-        result = _new_view(g.device, g._dtype, g.shape)
-        out_ptr = (<DeviceView>result)._ptr
+        result = call.result(g._dtype, g.shape,
+                             grad if call._like is grad and call.package == PKG_TORCH else None)
+        out_ptr = _result_ptr(result)
     else:
-        out_ptr = _out_arg(out, g, "grad", handle).ptr
+        out_ptr = _out_arg(call, out, g, "grad").ptr
         result = out
     cdef const void* gp = <const void*>g.ptr
     cdef const void* mp = <const void*>mk.ptr
     cdef void* op = <void*>out_ptr
     cdef int64_t n = g.size
     cdef int dev = g.device
+    cdef uintptr_t handle = call.kernel
     with nogil:
         dropout_apply_mask(gp, mp, op, n, dtype, prob, mode, <cudaStream_t>handle, dev, 0)
+    call.finish()
     return result
+
+
+cdef uintptr_t _result_ptr(object r) except? 0:
+    """The device address of a result that _Call.result made."""
+    if isinstance(r, DeviceView):
+        return (<DeviceView>r)._ptr
+    if _torch_tensor is not None and isinstance(r, _torch_tensor):
+        return <uintptr_t>r.data_ptr()
+    return <uintptr_t>r.data.ptr  # cupy.ndarray
+
+
+def _address_of(r):
+    """The device address (int) of a result that a _Call made."""
+    return _result_ptr(r)
 
 
 # -- GEMM glue for python/inferctx/gemm.py --------------------------------------------------------
@@ -263,23 +240,24 @@ cdef GemmProblem _gemm_problem(int dtype, bint trans_a, bint trans_b, int64_t m,
     return p
 
 
-def _gemm(InferenceContext ctx, uintptr_t a, uintptr_t b, uintptr_t c, int dtype, bint trans_a,
-          bint trans_b, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t lda, int64_t ldb,
-          int64_t ldc, int64_t stride_a, int64_t stride_b, int64_t stride_c, float alpha,
-          float beta, bint tf32):
-    """inferctx::gemm on the context's cuBLAS handle and compute stream (pointers as ints)."""
+def _gemm(InferenceContext ctx, uintptr_t stream, uintptr_t a, uintptr_t b, uintptr_t c, int dtype,
+          bint trans_a, bint trans_b, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t lda,
+          int64_t ldb, int64_t ldc, int64_t stride_a, int64_t stride_b, int64_t stride_c,
+          float alpha, float beta, bint tf32):
+    """inferctx::gemm on the context's cuBLAS handle, on `stream` (handles and pointers as ints)."""
     cdef GemmProblem p = _gemm_problem(dtype, trans_a, trans_b, m, n, k, batch, lda, ldb, ldc,
                                        stride_a, stride_b, stride_c, tf32)
     cdef CppInferenceContext* cx = ctx._c
     with nogil:
-        gemm(cx.cublas(), cx.stream(), p, <const void*>a, <const void*>b, <void*>c, alpha, beta)
+        gemm(cx.cublas(), <cudaStream_t>stream, p, <const void*>a, <const void*>b, <void*>c, alpha,
+             beta)
 
 
 def _gemm_tune(InferenceContext ctx, int dtype, bint trans_a, bint trans_b, int64_t m, int64_t n,
                int64_t k, int64_t batch, int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a,
                int64_t stride_b, int64_t stride_c, bint tf32, int max_algorithms, int warmup,
                int repeats):
-    """inferctx::tune_gemm on the context's handle and stream; the GemmTuneResult as a dict."""
+    """inferctx::tune_gemm on the context's handle, on ctx.stream; the GemmTuneResult as a dict."""
     cdef GemmProblem p = _gemm_problem(dtype, trans_a, trans_b, m, n, k, batch, lda, ldb, ldc,
                                        stride_a, stride_b, stride_c, tf32)
     cdef GemmTuneOptions options
@@ -288,8 +266,9 @@ def _gemm_tune(InferenceContext ctx, int dtype, bint trans_a, bint trans_b, int6
     options.repeats = repeats
     cdef CppInferenceContext* cx = ctx._c
     cdef GemmTuneResult r
+    cdef uintptr_t stream = _ctx_stream(ctx)
     with nogil:
-        r = tune_gemm(cx.cublas(), cx.stream(), p, options)
+        r = tune_gemm(cx.cublas(), <cudaStream_t>stream, p, options)
     return {
         "backend": r.backend, "algo_index": r.algo_index, "algo": [w for w in r.algo],
         "algo_id": r.algo_id, "tile_id": r.tile_id, "stages_id": r.stages_id, "splitk": r.splitk,

@@ -110,7 +110,9 @@ cdef class DeviceView:
     memory without a copy through DLPack (``torch.from_dlpack(view)``, ``cupy.from_dlpack``,
     ``jax.dlpack.from_dlpack``) or ``__cuda_array_interface__`` (CuPy, Numba); the memory stays
     allocated as long as the view or anything made from it is alive. Work on it is ordered by
-    the compute stream of its device's context: DLPack and copies synchronise with it.
+    its context's ``ctx.stream`` (torch's current stream in a torch program): DLPack and copies
+    synchronise with it. Kernel results that are DeviceViews live in the device's stream-ordered
+    pool (``ctx.memory_pool``).
     ``strides`` count elements, as in DLPack and torch.
     """
 
@@ -242,29 +244,33 @@ cdef class DeviceView:
     def copy_to_host(self, pinned, stream=None):
         """Queues a copy of the view's bytes into ``pinned`` (a PinnedBuffer at least as large).
 
-        ``stream`` (default: the context's compute stream) runs the copy after the work queued
-        so far on the compute stream. It returns at once; ``pinned.synchronize()`` waits for it
-        (reading the buffer through NumPy or DLPack waits too).
+        ``stream`` (default: ``ctx.stream``) runs the copy after the work queued so far on
+        ``ctx.stream``. It returns at once; ``pinned.synchronize()`` waits for it (reading the
+        buffer through NumPy or DLPack waits too).
         """
         cdef PinnedBuffer host = _pinned_arg(pinned, self._nbytes, "pinned")
-        cdef uintptr_t producer = <uintptr_t>self._ctx._c.stream()
-        cdef uintptr_t on = producer if stream is None else _stream_handle(stream, "stream")
+        cdef uintptr_t producer = _ctx_stream(self._ctx)
+        cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
+                                                                            "stream")
         self._ctx._order(producer, on)
+        _note_use(self, on)
         _copy(host._ptr, self._ptr, self._nbytes, on, self._device)
         host._track(self._device, on)
 
     def copy_from_host(self, pinned, stream=None):
         """Queues a copy of ``pinned``'s first ``nbytes`` bytes into the view.
 
-        ``stream`` (default: the context's compute stream) is ordered after the compute stream
-        before the copy, and the compute stream after it, so kernels queued later see the data.
-        The buffer must stay unchanged until ``pinned.synchronize()`` returns.
+        ``stream`` (default: ``ctx.stream``) is ordered after ``ctx.stream`` before the copy,
+        and ``ctx.stream`` after it, so kernels queued later see the data. The buffer must stay
+        unchanged until ``pinned.synchronize()`` returns.
         """
         cdef PinnedBuffer host = _pinned_arg(pinned, self._nbytes, "pinned")
         host._wait_copies()
-        cdef uintptr_t producer = <uintptr_t>self._ctx._c.stream()
-        cdef uintptr_t on = producer if stream is None else _stream_handle(stream, "stream")
+        cdef uintptr_t producer = _ctx_stream(self._ctx)
+        cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
+                                                                            "stream")
         self._ctx._order(producer, on)
+        _note_use(self, on)
         _copy(self._ptr, host._ptr, self._nbytes, on, self._device)
         host._track(self._device, on)
         self._ctx._order(on, producer)
@@ -272,7 +278,8 @@ cdef class DeviceView:
     cdef PinnedBuffer _host_copy(self):
         """A synchronous copy into new page-locked memory (DLPack exports to the CPU)."""
         cdef PinnedBuffer host = PinnedBuffer(self._nbytes)
-        cdef uintptr_t producer = <uintptr_t>self._ctx._c.stream()
+        cdef uintptr_t producer = _ctx_stream(self._ctx)
+        _note_use(self, producer)
         _copy(host._ptr, self._ptr, self._nbytes, producer, self._device)
         host._track(self._device, producer)
         host._wait_copies()
@@ -280,7 +287,8 @@ cdef class DeviceView:
 
     cdef DeviceView _device_copy(self, uintptr_t producer):
         """A copy in a new allocation, queued on `producer` (the view's stream)."""
-        cdef DeviceView out = _new_view(self._device, self._dtype, self._shape)
+        cdef DeviceView out = _pooled_view(self._ctx, self._dtype, self._shape, producer)
+        _note_use(self, producer)
         _copy(out._ptr, self._ptr, self._nbytes, producer, self._device)
         return out
 
@@ -290,8 +298,8 @@ cdef class DeviceView:
 
         ``stream`` is the consumer's stream: None or 1 the legacy default stream, 2 the
         per-thread default stream, a handle otherwise; the consumer's stream then waits (on
-        the GPU, by an event) for the work queued so far on the context's compute stream. -1
-        asks for no synchronisation. A versioned capsule comes back when ``max_version`` is
+        the GPU, by an event) for the work queued so far on ``ctx.stream``. -1 asks for no
+        synchronisation. A versioned capsule comes back when ``max_version`` is
         (1, 0) or newer. ``dl_device=(1, 0)`` (the CPU) gives a synchronous host copy flagged
         IS_COPIED (refused with ``copy=False``); ``copy=True`` on the GPU gives a device copy.
         """
@@ -304,16 +312,18 @@ cdef class DeviceView:
         cdef DeviceView copied
         cdef PinnedBuffer host
         if target is None or (target[0] == kDLCUDA and target[1] == self._device):
-            producer = <uintptr_t>self._ctx._c.stream()
+            producer = _ctx_stream(self._ctx)
             if mode == 1:
                 copied = self._device_copy(producer)
                 if sync:
                     self._ctx._order(producer, consumer)
+                _note_use(copied, consumer if sync else 0)
                 return _export_capsule(copied, <void*>copied._ptr, kDLCUDA, self._device,
                                        self._shape, self._dtype, versioned,
                                        DLPACK_FLAG_BITMASK_IS_COPIED)
             if sync:
                 self._ctx._order(producer, consumer)
+            _note_use(self, consumer if sync else 0)
             return _export_capsule(self, <void*>self._ptr, kDLCUDA, self._device, self._shape,
                                    self._dtype, versioned, 0)
         if (target[0] == kDLCPU or target[0] == kDLCUDAHost) and target[1] == 0:
@@ -336,21 +346,24 @@ cdef class DeviceView:
     # -- CUDA array interface --------------------------------------------------------------
     @property
     def __cuda_array_interface__(self):
-        """Version 3 of the CUDA array interface; "stream" is the context's compute stream,
-        which a consumer must synchronise with (CuPy and Numba do)."""
+        """Version 3 of the CUDA array interface; "stream" is ``ctx.stream``, which a consumer
+        must synchronise with (CuPy and Numba do). The consumer's own streams are not known, so
+        a pool block exported this way is freed after a device-wide synchronisation."""
         typestr = _DTYPE_TYPESTRS[self._dtype]
         if typestr is None:
             raise TypeError(
                 f"__cuda_array_interface__: {_DTYPE_NAMES[self._dtype]} has no typestr in the "
                 f"CUDA array interface; use DLPack, which carries it: torch.from_dlpack(view), "
                 f"cupy.from_dlpack(view), jax.dlpack.from_dlpack(view)")
+        cdef uintptr_t producer = _ctx_stream(self._ctx)
+        _note_use(self, 0)
         return {
             "shape": self._shape,
             "typestr": typestr,
             "data": (self._ptr if self._size else 0, False),
             "version": 3,
             "strides": None,  # C-contiguous
-            "stream": <uintptr_t>self._ctx._c.stream(),
+            "stream": producer,
         }
 
     # -- host access is refused, with the ways to reach the data ---------------------------
@@ -383,19 +396,10 @@ cdef DeviceView _make_view(const shared_ptr[DeviceAllocation]& alloc, int64_t of
 
 
 cdef DeviceView _new_view(int device, int dtype, tuple shape):
-    """A new C-contiguous view in an allocation of its own, of exactly the bytes it needs."""
-    cdef tuple dims = _shape_arg(shape, "shape")
-    cdef int64_t size = 1
-    for n in dims:
-        if n < 0:
-            raise _ConfigError(f"shape: got {shape!r}; sizes must be >= 0", argument="shape")
-        size *= <int64_t>n
-    cdef int64_t nbytes = size * _DTYPE_ITEMSIZE[dtype]
+    """A new C-contiguous view in a block of its own from the device's stream-ordered pool,
+    usable on ctx.stream."""
     cdef InferenceContext ctx = _context_of(device)
-    cdef shared_ptr[DeviceAllocation] alloc
-    with nogil:
-        alloc.reset(new DeviceAllocation(device, nbytes))
-    return _make_view(alloc, 0, dims, size, dtype, ctx)
+    return _pooled_view(ctx, dtype, _shape_arg(shape, "shape"), _ctx_stream(ctx))
 
 
 cdef DeviceView new_device_view(int device, str dtype, tuple shape):

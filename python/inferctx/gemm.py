@@ -7,27 +7,32 @@ algorithms for given shapes and caches the fastest correct one per problem, and
 
 Operands are any CUDA arrays that export DLPack or ``__cuda_array_interface__`` (torch, CuPy,
 JAX, Numba, inferctx.DeviceView), 2-D (``gemm``) or 3-D (``bmm``), with unit stride along one
-of their last two dimensions: a transposed view is read in place, as cuBLAS reads it. Work is
-queued on the context's compute stream (``ctx.stream``). The inputs are ordered after their
-producer through the DLPack / CUDA-array-interface stream handshake; for torch tensors on a
-context that runs on torch's current stream (``ctx.use_stream(torch.cuda.current_stream())``,
-as an engine built on torch does) there is nothing to order and the call takes a fast path.
-The result is ready on the context's stream.
+of their last two dimensions: a transposed view is read in place, as cuBLAS reads it.
 
-What this module needs from the compiled ``inferctx._core``, besides what it already has
-(``InferenceContext.instance``, ``ctx.device``, ``ctx.stream.handle``,
-``_as_cuda_array(obj, argument, stream) -> CudaArray`` and ``_empty(device, shape, dtype) ->
-DeviceView``); ``ctx`` is an InferenceContext, each call releases the GIL around the C++ one
-and C++ errors become inferctx.errors exceptions:
+The call contract (as for every inferctx kernel): the product runs on the current stream of the
+operands' package (torch's ``current_stream``, CuPy's current stream; the first operand of a
+package decides when they are mixed), or ``ctx.stream`` for operands of no package; ``stream=``
+overrides. The result comes back in that package (a torch tensor from torch's caching
+allocator, a CuPy array, or a DeviceView from the context's pool) and is complete before any
+later work on the caller's current stream. All-torch calls on torch's current stream take a
+fast path that reads the tensors directly.
 
-``_core._gemm(ctx, a_ptr, b_ptr, c_ptr, dtype, trans_a, trans_b, m, n, k, batch, lda, ldb,
-ldc, stride_a, stride_b, stride_c, alpha, beta, tf32) -> None``
-    ``inferctx::gemm(ctx.cublas(), ctx.stream(), problem, a, b, c, alpha, beta)`` with the
-    GemmProblem fields of the same names (cuda/include/inferctx/gemm.hpp); pointers and sizes
-    are ints, dtype the DType code, trans_* and tf32 bools, alpha and beta floats.
+What this module needs from the compiled ``inferctx._core``; ``ctx`` is an InferenceContext,
+each call releases the GIL around the C++ one and C++ errors become inferctx.errors exceptions:
+
+``_core._begin(operands, ctx, stream) -> call``
+    The call contract for ``operands`` (a, b, out): ``call.ctx``, ``call.kernel`` (the stream
+    handle the product runs on), ``call.import_array(obj, argument) -> CudaArray``,
+    ``call.new_result(dtype, shape)`` and ``call.done()`` (the caller's streams wait for it).
+``_core._gemm(ctx, stream, a_ptr, b_ptr, c_ptr, dtype, trans_a, trans_b, m, n, k, batch, lda,
+ldb, ldc, stride_a, stride_b, stride_c, alpha, beta, tf32) -> None``
+    ``inferctx::gemm(ctx.cublas(), stream, problem, a, b, c, alpha, beta)`` with the
+    GemmProblem fields of the same names (cuda/include/inferctx/gemm.hpp); the stream handle,
+    pointers and sizes are ints, dtype the DType code, trans_* and tf32 bools, alpha and beta
+    floats.
 ``_core._gemm_tune(ctx, dtype, trans_a, trans_b, m, n, k, batch, lda, ldb, ldc, stride_a,
 stride_b, stride_c, tf32, max_algorithms, warmup, repeats) -> dict``
-    ``inferctx::tune_gemm`` on the context's handle and stream; the dict has the fields of
+    ``inferctx::tune_gemm`` on the context's handle, on ``ctx.stream``; the dict has the fields of
     GemmTuneResult (backend, algo_index, algo, algo_id, tile_id, stages_id, splitk,
     default_ms, best_ms, candidates, valid, rotated_sets).
 ``_core._gemm_cache_export(tuned_only) -> list[dict]`` and
@@ -48,6 +53,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any, Dict, List
 
 from . import _core
 from .dtypes import ITEMSIZE, NAMES, dtype_code
@@ -78,6 +84,7 @@ _LEGACY_STREAM = 1  # cudaStreamLegacy; torch reports its default stream as 0
 _torch_tensor = None
 _torch_codes: dict = {}
 _torch_raw_stream = None
+_torch_empty = None
 
 # Contexts by device ordinal (one per device for the life of the process).
 _contexts: dict = {}
@@ -87,8 +94,9 @@ _contexts: dict = {}
 # Public API
 
 
-def gemm(a, b, *, out=None, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, ctx=None,
-         tf32=False):
+def gemm(a: Any, b: Any, *, out: Any = None, trans_a: bool = False, trans_b: bool = False,
+         alpha: float = 1.0, beta: float = 0.0, ctx: Any = None, tf32: bool = False,
+         stream: Any = None) -> Any:
     """``alpha * op(a) @ op(b) + beta * out`` for 2-D CUDA arrays, as NumPy / PyTorch define it.
 
     Parameters
@@ -105,35 +113,45 @@ def gemm(a, b, *, out=None, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c
     alpha, beta
         Scale factors (fp32). ``beta`` other than 0 needs ``out``, whose values it scales.
     ctx
-        The InferenceContext whose cuBLAS handle and stream run the product; by default the
-        one of the operands' device.
+        The InferenceContext whose cuBLAS handle runs the product; by default the one of the
+        operands' device.
     tf32
         float32 only: allow TF32 tensor cores (relative error near 3e-4 instead of near 1e-6).
+    stream
+        Run on this stream (of the operands' device) instead of the caller's current stream;
+        the caller's current stream still waits for the result.
 
     Returns
     -------
-    ``out``, or a new inferctx.DeviceView (``torch.from_dlpack(view)`` takes it without a copy).
-    Accumulation is fp32 for every dtype. The product is queued on ``ctx.stream`` and is ready
-    there; m, n or k may be 0 (k = 0 gives ``beta * out``, zeros for a new result).
+    ``out``, or a new array in the operands' package: a torch tensor for torch operands, a CuPy
+    array for CuPy ones, an inferctx.DeviceView otherwise. Accumulation is fp32 for every
+    dtype. The product runs on the caller's current stream (see the module's call contract)
+    and is complete before any later work there; m, n or k may be 0 (k = 0 gives
+    ``beta * out``, zeros for a new result). Untuned, it makes the cuBLAS call torch.matmul
+    makes (``cublasGemmEx``), so it gives torch's bits at torch's speed; ``autotune_gemm``
+    may find a faster cuBLASLt algorithm.
     """
-    return _product("gemm", 2, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
+    return _product("gemm", 2, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, stream)
 
 
-def bmm(a, b, *, out=None, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, ctx=None,
-        tf32=False):
+def bmm(a: Any, b: Any, *, out: Any = None, trans_a: bool = False, trans_b: bool = False,
+        alpha: float = 1.0, beta: float = 0.0, ctx: Any = None, tf32: bool = False,
+        stream: Any = None) -> Any:
     """Batched ``gemm`` of 3-D CUDA arrays: ``out[i] = alpha * op(a[i]) @ op(b[i]) + beta * out[i]``.
 
     ``a`` is (batch, m, k) (or (batch, k, m) with ``trans_a``), ``b`` is (batch, k, n) (or
     (batch, n, k) with ``trans_b``); a batch size of 1 in one operand is broadcast over the
     other's. Any batch stride works, so a (batch, m, n) view of an (m, batch, n) array does
-    too. Returns ``out`` or a new (batch, m, n) DeviceView. Other arguments as in ``gemm``.
+    too. Returns ``out`` or a new (batch, m, n) array in the operands' package. Other arguments,
+    and the call contract, as in ``gemm``.
     """
-    return _product("bmm", 3, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
+    return _product("bmm", 3, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, stream)
 
 
-def autotune_gemm(shapes, dtype, *, trans_a=False, trans_b=False, tf32=False, ctx=None,
-                  cache_file=None, progress=True, force=False, max_algorithms=32, warmup=3,
-                  repeats=7):
+def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bool = False,
+                  tf32: bool = False, ctx: Any = None, cache_file: Any = None,
+                  progress: bool = True, force: bool = False, max_algorithms: int = 32,
+                  warmup: int = 3, repeats: int = 7) -> List[Dict[str, Any]]:
     """Times cuBLASLt's candidate algorithms for each shape and keeps the fastest correct one.
 
     Parameters
@@ -222,7 +240,7 @@ def autotune_gemm(shapes, dtype, *, trans_a=False, trans_b=False, tf32=False, ct
     return results
 
 
-def save_gemm_cache(path, *, merge=True) -> int:
+def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
     """Writes the autotuned GEMM algorithms to a JSON file; returns how many entries it holds.
 
     With ``merge`` the file's entries for other problems, GPUs or cuBLAS versions are kept, so
@@ -250,7 +268,7 @@ def save_gemm_cache(path, *, merge=True) -> int:
     return len(entries)
 
 
-def load_gemm_cache(path) -> int:
+def load_gemm_cache(path: Any) -> int:
     """Loads autotuned GEMM algorithms from a JSON file; returns how many apply here.
 
     Entries made on another GPU model, with another cuBLAS version or for a device this
@@ -275,7 +293,7 @@ def clear_gemm_cache() -> None:
     _core._gemm_cache_clear()
 
 
-def gemm_cache_entries(tuned_only=True) -> list:
+def gemm_cache_entries(tuned_only: bool = True) -> List[Dict[str, Any]]:
     """The process's cached GEMM algorithms as JSON-ready dicts (the format of the cache file)."""
     return [_entry_to_json(e) for e in _core._gemm_cache_export(_flag(tuned_only, "tuned_only"))]
 
@@ -284,7 +302,7 @@ def gemm_cache_entries(tuned_only=True) -> list:
 # The product
 
 
-def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
+def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, stream):
     if trans_a is not False and trans_a is not True:
         trans_a = _flag(trans_a, "trans_a")
     if trans_b is not False and trans_b is not True:
@@ -300,48 +318,52 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
                           f"pass the array to accumulate into as out=", argument="beta")
 
     tensor = _torch_tensor if _torch_tensor is not None else _find_torch()
-    if (tensor is not None and isinstance(a, tensor) and isinstance(b, tensor)
+    if (stream is None and tensor is not None and isinstance(a, tensor) and isinstance(b, tensor)
             and (out is None or isinstance(out, tensor))):
         a_device = a.get_device()
         b_device = b.get_device()
         c_device = a_device if out is None else out.get_device()
         if a_device >= 0 and b_device >= 0 and c_device >= 0:  # else the generic path says why
+            # All torch, on torch's current stream: the tensors are read directly and nothing
+            # needs ordering (their producer and the caller's later work are on that stream).
             ctx_device = None
             if ctx is None:
                 ctx = _contexts.get(a_device) or _context_for(a_device)
                 ctx_device = a_device
-            if ctx.stream.handle == (_torch_raw_stream(a_device) or _LEGACY_STREAM):
-                # Same stream as torch: nothing to order, so read the tensors directly.
-                codes = _torch_codes
-                if out is None:
-                    key = (ndim, trans_a, trans_b, codes.get(a.dtype), a.shape, a.stride(),
-                           codes.get(b.dtype), b.shape, b.stride(), None, None, None)
-                    c_ptr = 0
-                else:
-                    key = (ndim, trans_a, trans_b, codes.get(a.dtype), a.shape, a.stride(),
-                           codes.get(b.dtype), b.shape, b.stride(), codes.get(out.dtype),
-                           out.shape, out.stride())
-                    c_ptr = out.data_ptr()
-                plan = _plans.get(key)
-                if plan is None:
-                    plan = _new_plan(name, key, a, b, out, None)
-                return _launch(name, plan, ctx, ctx_device, a_device, b_device, c_device,
-                               a.data_ptr(), b.data_ptr(), out, c_ptr, alpha, beta, tf32)
+            kernel = _torch_raw_stream(a_device) or _LEGACY_STREAM
+            codes = _torch_codes
+            if out is None:
+                key = (ndim, trans_a, trans_b, codes.get(a.dtype), a.shape, a.stride(),
+                       codes.get(b.dtype), b.shape, b.stride(), None, None, None)
+                c_ptr = 0
+            else:
+                key = (ndim, trans_a, trans_b, codes.get(a.dtype), a.shape, a.stride(),
+                       codes.get(b.dtype), b.shape, b.stride(), codes.get(out.dtype),
+                       out.shape, out.stride())
+                c_ptr = out.data_ptr()
+            plan = _plans.get(key)
+            if plan is None:
+                plan = _new_plan(name, key, a, b, out, None)
+            if out is None:
+                out = _torch_empty(plan[14], dtype=a.dtype, device=a.device)
+                c_ptr = out.data_ptr()
+                fresh = True
+            else:
+                fresh = False
+            return _launch(name, plan, ctx, ctx_device, kernel, a_device, b_device, c_device,
+                           a.data_ptr(), b.data_ptr(), out, c_ptr, fresh, alpha, beta, tf32)
 
-    # Any DLPack / CUDA-array-interface producer, with the stream handshake.
+    # Any DLPack / CUDA-array-interface producer, under the call contract.
     device = _device_hint(a, "a", name)
     b_device = _device_hint(b, "b", name)
     if out is not None:
         _device_hint(out, "out", name)
-    if ctx is None:
-        if device is None:
-            device = b_device
-        ctx = _context_of_current_device() if device is None else (
-            _contexts.get(device) or _context_for(device))
-    stream = ctx.stream.handle
-    va = _core._as_cuda_array(a, "a", stream)
-    vb = _core._as_cuda_array(b, "b", stream)
-    vc = None if out is None else _core._as_cuda_array(out, "out", stream)
+    if ctx is None and device is None and b_device is not None:
+        ctx = _contexts.get(b_device) or _context_for(b_device)
+    call = _core._begin((a, b, out), ctx, stream)
+    va = call.import_array(a, "a")
+    vb = call.import_array(b, "b")
+    vc = None if out is None else call.import_array(out, "out")
     if vc is not None and vc.read_only:
         raise ConfigError(f"{name}: out ({_type_name(out)}) is read-only; pass a writable array",
                           argument="out")
@@ -353,10 +375,20 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
     if plan is None:
         plan = _new_plan(name, key, a, b, out,
                          (va.dtype, vb.dtype, None if vc is None else vc.dtype))
+    fresh = out is None
+    if fresh:
+        if va.device != vb.device:
+            _device_error(name, plan[19], va.device, vb.device, va.device)
+        out = call.new_result(NAMES[plan[0]], plan[14])
+        c_ptr = _core._address_of(out)
+    else:
+        c_ptr = vc.ptr
     # va / vb / vc keep the memory alive until the product is queued.
-    return _launch(name, plan, ctx, None, va.device, vb.device,
-                   va.device if vc is None else vc.device, va.ptr, vb.ptr, out,
-                   0 if vc is None else vc.ptr, alpha, beta, tf32)
+    result = _launch(name, plan, call.ctx, None, call.kernel, va.device, vb.device,
+                     va.device if vc is None else vc.device, va.ptr, vb.ptr, out, c_ptr, fresh,
+                     alpha, beta, tf32)
+    call.done()
+    return result
 
 
 # Problems worked out from (ndim, transposes, dtypes, shapes, strides): what a call needs
@@ -365,9 +397,10 @@ _plans: dict = {}
 _PLAN_LIMIT = 4096
 
 
-def _launch(name, plan, ctx, ctx_device, a_device, b_device, c_device, a_ptr, b_ptr, out, c_ptr,
-            alpha, beta, tf32):
-    """Checks devices and memory overlap for one call of a worked-out problem and queues it."""
+def _launch(name, plan, ctx, ctx_device, stream, a_device, b_device, c_device, a_ptr, b_ptr, out,
+            c_ptr, fresh, alpha, beta, tf32):
+    """Checks devices and memory overlap for one call of a worked-out problem and queues it on
+    `stream`; `fresh`: out was made for this call (nothing to overlap)."""
     (code, m, n, k, batch, lda, ldb, ldc, stride_a, stride_b, stride_c, ta, tb, swap, expected,
      span_a, span_b, span_c, spans, shapes) = plan
     if b_device != a_device or c_device != a_device:
@@ -378,19 +411,14 @@ def _launch(name, plan, ctx, ctx_device, a_device, b_device, c_device, a_ptr, b_
         raise ConfigError(f"{name}: the operands are on cuda:{a_device} but ctx is the context of "
                           f"cuda:{ctx_device}; pass ctx=InferenceContext.instance({a_device}) or "
                           f"leave ctx=None", argument="ctx")
-    if out is None:
-        result = _core._empty(a_device, expected, NAMES[code])
-        c_ptr = result.ptr
-    else:
-        result = out
-        if ((a_ptr < c_ptr + span_c and c_ptr < a_ptr + span_a)
-                or (b_ptr < c_ptr + span_c and c_ptr < b_ptr + span_b)):
-            _check_no_overlap(name, a_ptr, b_ptr, c_ptr, spans, ITEMSIZE[code])
+    if not fresh and ((a_ptr < c_ptr + span_c and c_ptr < a_ptr + span_a)
+                      or (b_ptr < c_ptr + span_c and c_ptr < b_ptr + span_b)):
+        _check_no_overlap(name, a_ptr, b_ptr, c_ptr, spans, ITEMSIZE[code])
     if swap:
         a_ptr, b_ptr = b_ptr, a_ptr
-    _core._gemm(ctx, a_ptr, b_ptr, c_ptr, code, ta, tb, m, n, k, batch, lda, ldb, ldc, stride_a,
-                stride_b, stride_c, alpha, beta, tf32)
-    return result
+    _core._gemm(ctx, stream, a_ptr, b_ptr, c_ptr, code, ta, tb, m, n, k, batch, lda, ldb, ldc,
+                stride_a, stride_b, stride_c, alpha, beta, tf32)
+    return out
 
 
 def _new_plan(name, key, a, b, out, dtypes):
@@ -606,16 +634,16 @@ def _scalar(value, argument) -> float:
 
 def _find_torch():
     """torch.Tensor once the caller has imported torch (never imported here), else None."""
-    global _torch_tensor, _torch_codes, _torch_raw_stream
+    global _torch_tensor, _torch_codes, _torch_raw_stream, _torch_empty
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "Tensor") or not hasattr(torch, "bfloat16"):
         return None
-    _torch_codes = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
     raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
-    if raw is None:
-        def raw(device, _torch=torch):
-            return _torch.cuda.current_stream(device).cuda_stream
+    if raw is None:  # a CPU-only torch: its tensors go the generic way (and are refused there)
+        return None
+    _torch_codes = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
     _torch_raw_stream = raw
+    _torch_empty = torch.empty
     _torch_tensor = torch.Tensor
     return _torch_tensor
 

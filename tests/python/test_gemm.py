@@ -58,6 +58,8 @@ class FakeCore:
         self.tunes = []
         self.cache = []  # entries as _gemm_cache_export gives them
         self.imported = None
+        self.begun = 0
+        self.finished = 0
         self.context = types.SimpleNamespace(device=device,
                                              stream=types.SimpleNamespace(handle=stream))
         core = self
@@ -70,8 +72,33 @@ class FakeCore:
         self.InferenceContext = InferenceContext
         self.keep = []
 
-    def _as_cuda_array(self, obj, argument, stream):
-        assert stream == self.context.stream.handle
+    def _begin(self, operands, ctx=None, stream=None, first="a"):
+        """The call contract's stand-in: the context's stream, host results."""
+        core = self
+        context = self.context if ctx is None else ctx
+        self.begun += 1
+
+        class Call:
+            kernel = context.stream.handle if stream is None else stream
+
+            def __init__(self):
+                self.ctx = context
+
+            def import_array(self, obj, argument):
+                return core._as_cuda_array(obj, argument)
+
+            def new_result(self, dtype, shape):
+                array = np.full(shape, np.nan, dtype=np.dtype(dtype))
+                view = HostArray(array)
+                core.keep.append(view)
+                return view
+
+            def done(self):
+                core.finished += 1
+
+        return Call()
+
+    def _as_cuda_array(self, obj, argument):
         if not isinstance(obj, HostArray):
             raise ConfigError(f"{argument}: not an array", argument=argument)
         a = obj.array
@@ -79,16 +106,12 @@ class FakeCore:
             ptr=a.ctypes.data, shape=a.shape, strides=tuple(s // a.itemsize for s in a.strides),
             dtype=a.dtype.name, device=0, owner=obj, read_only=not a.flags.writeable)
 
-    def _empty(self, device, shape, dtype):
-        array = np.full(shape, np.nan, dtype=np.dtype(dtype))
-        view = HostArray(array)
-        view.ptr = array.ctypes.data
-        self.keep.append(view)
-        return view
+    def _address_of(self, result):
+        return result.array.ctypes.data
 
-    def _gemm(self, ctx, a_ptr, b_ptr, c_ptr, dtype, trans_a, trans_b, m, n, k, batch, lda, ldb,
-              ldc, stride_a, stride_b, stride_c, alpha, beta, tf32):
-        assert ctx is self.context
+    def _gemm(self, ctx, stream, a_ptr, b_ptr, c_ptr, dtype, trans_a, trans_b, m, n, k, batch, lda,
+              ldb, ldc, stride_a, stride_b, stride_c, alpha, beta, tf32):
+        assert ctx is self.context and stream == self.context.stream.handle
         for flag in (trans_a, trans_b, tf32):
             assert flag is True or flag is False
         self.calls.append(dict(dtype=dtype, trans_a=trans_a, trans_b=trans_b, m=m, n=n, k=k,
@@ -196,6 +219,7 @@ def test_layouts_give_numpys_product(core, dtype, trans_a, trans_b, a_how, b_how
             assert np.isnan(out.base[:, n:]).all()  # the gap after each row is untouched
     assert _relative_error(got, ref) < (2e-3 if dtype == np.float16 else 1e-6)
     assert len(core.calls) == 1
+    assert core.begun == core.finished == 1  # the caller's streams were joined after the call
 
 
 def test_alpha_beta_accumulate_into_out(core):

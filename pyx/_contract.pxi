@@ -1,0 +1,326 @@
+# Part of _core.pyx: the call contract of every entry point that launches GPU work (dropout,
+# apply_mask, gemm, bmm and any later kernel).
+#
+# - The stream. By default the work runs on the current stream of the operands' package:
+#   torch.cuda.current_stream(device) for torch tensors, CuPy's current stream for CuPy arrays.
+#   With operands of several packages, the first operand (in argument order) that belongs to a
+#   package decides. Operands that belong to no package (DeviceView, a bare
+#   __cuda_array_interface__ or DLPack object) use ctx.stream. ``stream=`` overrides all of it.
+# - ctx.stream is the stream use_stream() adopted, or else DeepSpeed's "current stream": torch's
+#   current stream of the context's device once torch is imported, else CuPy's once CuPy is
+#   imported, else the context's own stream. So "a kernel, then sync_comp(), then work on
+#   comm_stream" is ordered without a use_stream call.
+# - Ordering. The caller's streams are the current streams of the operands' packages (and
+#   ctx.stream for package-less operands). Where one differs from the stream the work runs on,
+#   the work first waits for it (inputs are read after their producer's pending work, and out=
+#   is written after the caller's pending reads of it), and it then waits for the work (results
+#   are complete before any later work on it). Each join is one event record and one wait; when
+#   all the streams are one (the default case), there are none.
+# - Results come back in the package that decided the stream: torch.Tensor from torch's caching
+#   allocator, cupy.ndarray from CuPy's pool, DeviceView from the context's stream-ordered pool.
+#   A torch or CuPy result is allocated on the caller's current stream; where the work ran on
+#   another stream, the join above orders every later use and reuse of the block on the
+#   caller's stream after the work (what record_stream would give).
+# torch and CuPy are never imported here: their types are known once the caller imported them.
+
+import sys as _sys
+
+cdef enum:
+    PKG_NONE = 0
+    PKG_TORCH = 1
+    PKG_CUPY = 2
+
+cdef object _torch_tensor = None       # torch.Tensor, once torch is imported (with CUDA)
+cdef object _torch_raw_stream = None   # torch._C._cuda_getCurrentRawStream
+cdef object _torch_empty = None
+cdef object _torch_empty_like = None
+cdef dict _torch_to_dt = None          # torch dtype -> dtype table index
+cdef dict _dt_to_torch = None
+cdef object _cupy = None
+cdef object _cupy_ndarray = None
+cdef bint _cupy_stream_takes_device = True
+
+
+cdef int _refresh_packages() except -1:
+    """Learns torch's and CuPy's types once the caller has imported them."""
+    global _torch_tensor, _torch_raw_stream, _torch_empty, _torch_empty_like, _torch_to_dt
+    global _dt_to_torch, _cupy, _cupy_ndarray
+    if _torch_tensor is None:
+        torch = _sys.modules.get("torch")
+        if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "bfloat16"):
+            raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+            if raw is not None:  # a CPU-only build of torch has no CUDA streams
+                pairs = [("float32", DT_FLOAT32), ("float16", DT_FLOAT16),
+                         ("bfloat16", DT_BFLOAT16), ("float64", DT_FLOAT64), ("int8", DT_INT8),
+                         ("int16", DT_INT16), ("int32", DT_INT32), ("int64", DT_INT64),
+                         ("uint8", DT_UINT8), ("uint16", DT_UINT16), ("uint32", DT_UINT32),
+                         ("uint64", DT_UINT64), ("bool", DT_BOOL)]
+                to_dt = {}
+                from_dt = {}
+                for name, dt in pairs:
+                    t = getattr(torch, name, None)
+                    if t is not None:
+                        to_dt[t] = dt
+                        from_dt[dt] = t
+                _torch_to_dt = to_dt
+                _dt_to_torch = from_dt
+                _torch_raw_stream = raw
+                _torch_empty = torch.empty
+                _torch_empty_like = torch.empty_like
+                _torch_tensor = torch.Tensor
+    if _cupy_ndarray is None:
+        cupy = _sys.modules.get("cupy")
+        if cupy is not None and hasattr(cupy, "ndarray") and hasattr(cupy, "cuda"):
+            _cupy = cupy
+            _cupy_ndarray = cupy.ndarray
+    return 0
+
+
+cdef inline int _package_of(object obj) except -1:
+    if _torch_tensor is None or _cupy_ndarray is None:
+        _refresh_packages()
+    if _torch_tensor is not None and isinstance(obj, _torch_tensor):
+        return PKG_TORCH
+    if _cupy_ndarray is not None and isinstance(obj, _cupy_ndarray):
+        return PKG_CUPY
+    return PKG_NONE
+
+
+cdef uintptr_t _package_stream(int package, int device) except 0:
+    """The current stream of `package` on `device` (never 0: the legacy stream is 1)."""
+    global _cupy_stream_takes_device
+    cdef object handle
+    if package == PKG_TORCH:
+        handle = _torch_raw_stream(device)
+    else:
+        if _cupy_stream_takes_device:
+            try:
+                handle = _cupy.cuda.get_current_stream(device).ptr
+            except TypeError:  # a CuPy whose get_current_stream takes no device
+                _cupy_stream_takes_device = False
+        if not _cupy_stream_takes_device:
+            with _cupy.cuda.Device(device):
+                handle = _cupy.cuda.get_current_stream().ptr
+    if handle == 0:
+        return <uintptr_t>cudaStreamLegacy
+    return <uintptr_t>handle
+
+
+cdef uintptr_t _ctx_stream(InferenceContext ctx) except 0:
+    """ctx.stream's handle: the adopted stream, else torch's or CuPy's current stream (the first
+    of the two imported), else the context's own."""
+    if ctx._adopted is not None:
+        return <uintptr_t>ctx._c.stream()
+    if _torch_tensor is None or _cupy_ndarray is None:
+        _refresh_packages()
+    if _torch_tensor is not None:
+        return _package_stream(PKG_TORCH, ctx.device)
+    if _cupy_ndarray is not None:
+        return _package_stream(PKG_CUPY, ctx.device)
+    return <uintptr_t>ctx._c.own_stream()
+
+
+cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0:
+    """The handle of a caller's ``stream=``: a stream of `device` that exists. ConfigError naming
+    `argument` otherwise, before anything is launched."""
+    cdef uintptr_t handle = _stream_handle(stream, argument)
+    cdef int on = -1
+    cdef cudaError_t status
+    if handle <= <uintptr_t>cudaStreamPerThread:
+        return handle  # the default streams of the current device: inferctx runs on ctx's
+    if isinstance(stream, Stream):
+        on = (<Stream>stream)._device
+    else:
+        with nogil:
+            status = cudaStreamGetDevice(<cudaStream_t>handle, &on)
+        if status != cudaSuccess:
+            with nogil:
+                cudaGetLastError()
+            raise _ConfigError(
+                f"{argument}: {_type_name(stream)} {handle:#x} is not a CUDA stream that exists "
+                f"(destroyed, or not a stream handle); pass {_STREAM_LIKE} of cuda:{device}",
+                argument=argument)
+    if on != device:
+        raise _ConfigError(f"{argument}: is a stream of cuda:{on} but the operands are on "
+                           f"cuda:{device}; pass a stream of cuda:{device}", argument=argument)
+    return handle
+
+
+cdef int _operand_device(object obj, int package, str argument) except -2:
+    """The CUDA device of an operand, -1 where only an import tells."""
+    cdef int d
+    if package == PKG_TORCH:
+        d = obj.get_device()
+        return d if d >= 0 else -1
+    if package == PKG_CUPY:
+        return obj.device.id
+    return _cuda_device_of(obj)
+
+
+cdef int _cuda_device_of(object obj) except -2:
+    """The CUDA device of `obj` where it can be read without importing the array (a DeviceView,
+    or a DLPack exporter's __dlpack_device__); -1 where only an import tells (or `obj` is not
+    CUDA memory, which the import then reports)."""
+    if isinstance(obj, DeviceView):
+        return (<DeviceView>obj)._device
+    if hasattr(obj, "__dlpack__"):  # as_cuda_array imports it through DLPack
+        dlpack_device = getattr(obj, "__dlpack_device__", None)
+        if dlpack_device is not None:
+            device_type, device_id = dlpack_device()
+            if int(device_type) == kDLCUDA or int(device_type) == kDLCUDAManaged:
+                return int(device_id)
+    return -1
+
+
+cdef CudaArray _from_torch(object t, str argument):
+    """A CUDA torch tensor read directly (no DLPack exchange); None-equivalent errors go through
+    the generic import, which says what is wrong."""
+    dt = _torch_to_dt.get(t.dtype)
+    if dt is None or t.get_device() < 0:
+        return None
+    return _cuda_array(<uintptr_t>t.data_ptr(), tuple(t.shape), tuple(t.stride()), <int>dt,
+                       t.get_device(), t, False)
+
+
+cdef CudaArray _from_cupy(object a, str argument):
+    dt = _DTYPE_BY_NAME.get(a.dtype.name)
+    if dt is None:
+        return None
+    cdef int64_t itemsize = _DTYPE_ITEMSIZE[<int>dt]
+    strides = tuple([s // itemsize for s in a.strides]) if all(
+        s % itemsize == 0 for s in a.strides) else None
+    if strides is None:
+        return None
+    return _cuda_array(<uintptr_t>a.data.ptr, tuple(a.shape), strides, <int>dt, a.device.id, a,
+                       False)
+
+
+cdef class _Call:
+    """One call's streams and result package under the call contract (see _contract.pxi)."""
+
+    cdef readonly InferenceContext ctx
+    cdef readonly uintptr_t kernel   # the stream the work runs on
+    cdef readonly int package        # PKG_* of the results
+    cdef readonly int device
+    cdef object _like                # an operand of the result package (for its device)
+    cdef list _joins                 # the caller's streams other than `kernel`
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("_Call objects are made by inferctx._core._begin_call")
+
+    cdef CudaArray array(self, object obj, str argument):
+        """Operand `obj` as a CudaArray whose reads and writes on `kernel` are ordered."""
+        cdef CudaArray a = None
+        cdef int package = _package_of(obj)
+        if package == PKG_TORCH:
+            a = _from_torch(obj, argument)
+        elif package == PKG_CUPY:
+            a = _from_cupy(obj, argument)
+        if a is None:
+            a = as_cuda_array(obj, argument, self.kernel)
+        if a.device != self.device:
+            raise _ConfigError(f"{argument}: is on cuda:{a.device} but the call runs on cuda:"
+                               f"{self.device} (ctx, or its first operand)", argument=argument)
+        return a
+
+    cdef object result(self, int dtype, tuple shape, object like):
+        """A new C-contiguous result in the call's package; `like` (or None) is an operand of
+        that dtype and shape whose empty_like gives it fastest."""
+        if self.package == PKG_TORCH:
+            if like is not None:
+                return _torch_empty_like(like)
+            return _torch_empty(shape, dtype=_dt_to_torch[dtype], device=self._like.device)
+        if self.package == PKG_CUPY:
+            with _cupy.cuda.Device(self.device):
+                return _cupy.empty(shape, dtype=_DTYPE_NAMES[dtype])
+        return _pooled_view(self.ctx, dtype, shape, self.kernel)
+
+    cdef int finish(self) except -1:
+        """The caller's streams wait for the work queued on `kernel`."""
+        if self._joins:
+            for s in self._joins:
+                self.ctx._order(self.kernel, <uintptr_t>s)
+        return 0
+
+    # Python-level access for python/inferctx/gemm.py
+    def import_array(self, obj, argument):
+        return self.array(obj, argument)
+
+    def new_result(self, dtype, shape):
+        return self.result(_dtype_index(dtype, "dtype"), tuple(shape), None)
+
+    def done(self):
+        self.finish()
+
+
+cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x"):
+    """The streams of a call on `operands` (its arrays in argument order; None for absent ones):
+    picks the context, the stream the work runs on and the result package, and makes that
+    stream wait for the caller's others. Raises ConfigError for a bad ctx or stream before
+    anything is launched."""
+    cdef _Call call = _Call.__new__(_Call)
+    cdef int mask = 0
+    cdef int package
+    cdef bint plain = False
+    cdef int device = -1
+    for obj in operands:
+        if obj is None:
+            continue
+        package = _package_of(obj)
+        if package == PKG_NONE:
+            plain = True
+        else:
+            mask |= 1 << package
+            if call.package == PKG_NONE:
+                call.package = package
+                call._like = obj
+    primary = operands[0]
+    device = _operand_device(primary, _package_of(primary), first)
+    if device < 0:
+        if ctx is not None and isinstance(ctx, InferenceContext):
+            device = (<InferenceContext>ctx).device
+        else:
+            device = as_cuda_array(primary, first, 0).device  # raises for what is not CUDA memory
+    cdef InferenceContext context
+    if ctx is None:
+        context = _context_of(device)
+    elif isinstance(ctx, InferenceContext):
+        context = <InferenceContext>ctx
+    else:
+        raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
+                           f"None", argument="ctx")
+    call.ctx = context
+    call.device = context.device
+    if stream is not None:
+        call.kernel = _checked_stream(stream, context.device, "stream")
+    elif call.package != PKG_NONE:
+        call.kernel = _package_stream(call.package, context.device)
+    else:
+        call.kernel = _ctx_stream(context)
+    cdef list joins = None
+    cdef uintptr_t s
+    for package in (PKG_TORCH, PKG_CUPY):
+        if mask & (1 << package):
+            s = _package_stream(package, context.device)
+            if s != call.kernel and (joins is None or s not in joins):
+                joins = [s] if joins is None else joins + [s]
+    if plain:
+        s = _ctx_stream(context)
+        if s != call.kernel and (joins is None or s not in joins):
+            joins = [s] if joins is None else joins + [s]
+    call._joins = joins
+    if joins is not None:
+        for s in joins:
+            context._order(s, call.kernel)
+    return call
+
+
+def _begin(operands, ctx=None, stream=None, first="a"):
+    """The call contract for python/inferctx/gemm.py: a _Call for `operands` (a tuple) whose first
+    is named `first` in errors."""
+    return _begin_call(tuple(operands), ctx, stream, first)
+
+
+def _current_stream(device):
+    """The handle ctx.stream would give for the context of `device` now."""
+    return _ctx_stream(_context_of(device))
