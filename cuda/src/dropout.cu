@@ -24,6 +24,13 @@
 // registers. Instead of forming curand's float and comparing it with p, the kernel compares the
 // 32-bit output with a host-computed threshold: the float is a non-decreasing function of the
 // output, so `u > p` is exactly `r >= threshold`.
+//
+// A call captured into a CUDA graph (graph_rng.hpp) cannot take its Philox inputs from the host:
+// they change at every replay. The same kernels are instantiated for a second source of inputs,
+// GraphPhiloxParams, from which each thread forms them at run time (the seed from the context's
+// header, the counter from the site's replay number, the site folded into the subsequence's top
+// word); the key schedule is then key + r * (W0, W1), one add per round, rather than 20 registers.
+// The eager instantiations take the inputs from the parameter space exactly as before.
 #include "inferctx/dropout.hpp"
 
 #include <cuda_bf16.h>
@@ -39,8 +46,10 @@
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
+#include "inferctx/graph_rng.hpp"
 #include "inferctx/plan.hpp"
 #include "elem.cuh"
+#include "graph_rng.cuh"
 
 namespace inferctx {
 
@@ -64,14 +73,57 @@ struct PhiloxConstants {
   uint32_t r1_x;  // round 1, counter word 1 and key word 0: ctr1 ^ key0
   uint32_t r1_z;  // round 1: hi32(M0 * ctr0) ^ key1
   uint32_t r1_w;  // round 1: lo32(M0 * ctr0)
+
+  __device__ __forceinline__ uint32_t k0(int r) const { return key0[r]; }
+  __device__ __forceinline__ uint32_t k1(int r) const { return key1[r]; }
 };
 
+// The same inputs formed in registers by each thread of a captured call (philox_inputs below).
+struct PhiloxRegisters {
+  uint32_t seed0, seed1;  // the key
+  uint32_t r1_x, r1_z, r1_w;
+
+  __device__ __forceinline__ uint32_t k0(int r) const { return seed0 + static_cast<uint32_t>(r) * kPhiloxW0; }
+  __device__ __forceinline__ uint32_t k1(int r) const { return seed1 + static_cast<uint32_t>(r) * kPhiloxW1; }
+};
+
+// What a captured call's kernel gets: where its site's state lives.
+struct GraphPhiloxParams {
+  const GraphRngHeader* header;
+  const GraphRngSlot* slot;
+  uint64_t uid;
+  uint64_t counters_per_replay;  // the site's offset step / 4
+  uint32_t site_word;            // site << 8: subsequence (site << 40) + i / 4 has top word site_word | hi32(i / 4)
+};
+
+// Source: PhiloxConstants (eager) or GraphPhiloxParams (captured).
+template <typename Source>
 struct ForwardParams {
-  PhiloxConstants philox;
+  Source philox;
   uint32_t threshold;  // keep iff the Philox output >= threshold (< 2^32 here: p < 1)
   float scale;
   int64_t n;
 };
+
+// The Philox inputs of a call: the parameter-space constants themselves (eager), or, for a
+// captured call, those of replay r of its site: counter (2^63 + step * r) / 4, key = the seed read
+// now, and the site's subsequence band folded into round 1's z word (z = r1_z ^ hi32(subsequence)
+// and site_word's bits are above those of hi32(i / 4) < 2^8).
+__device__ __forceinline__ const PhiloxConstants& philox_inputs(const PhiloxConstants& c) { return c; }
+
+__device__ __forceinline__ PhiloxRegisters philox_inputs(const GraphPhiloxParams& g) {
+  const detail::GraphDraw d = detail::read_graph_draw(g.header, g.slot, g.uid);
+  const uint64_t counter = kGraphOffsetBase / 4 + d.replay * g.counters_per_replay;
+  const uint32_t ctr0 = static_cast<uint32_t>(counter);
+  const uint32_t ctr1 = static_cast<uint32_t>(counter >> 32);
+  PhiloxRegisters k;
+  k.seed0 = static_cast<uint32_t>(d.seed);
+  k.seed1 = static_cast<uint32_t>(d.seed >> 32);
+  k.r1_x = ctr1 ^ k.seed0;
+  k.r1_z = __umulhi(kPhiloxM0, ctr0) ^ k.seed1 ^ g.site_word;
+  k.r1_w = kPhiloxM0 * ctr0;
+  return k;
+}
 
 struct ApplyParams {
   float scale;
@@ -96,7 +148,8 @@ PhiloxConstants make_philox_constants(uint64_t seed, uint64_t offset) {
 
 // Philox4x32-10 of counter {ctr0, ctr1, lo32(s), hi32(s)}: the first block of
 // curand_init(seed, s, offset) with offset % 4 == 0.
-__device__ __forceinline__ uint4 philox_block(const PhiloxConstants& c, uint64_t s) {
+template <typename Keys>
+__device__ __forceinline__ uint4 philox_block(const Keys& c, uint64_t s) {
   const uint32_t s0 = static_cast<uint32_t>(s);
   const uint32_t s1 = static_cast<uint32_t>(s >> 32);
   uint32_t x = __umulhi(kPhiloxM1, s0) ^ c.r1_x;
@@ -109,9 +162,9 @@ __device__ __forceinline__ uint4 philox_block(const PhiloxConstants& c, uint64_t
     const uint32_t lo0 = kPhiloxM0 * x;
     const uint32_t hi1 = __umulhi(kPhiloxM1, z);
     const uint32_t lo1 = kPhiloxM1 * z;
-    x = hi1 ^ y ^ c.key0[r];
+    x = hi1 ^ y ^ c.k0(r);
     y = lo1;
-    z = hi0 ^ w ^ c.key1[r];
+    z = hi0 ^ w ^ c.k1(r);
     w = lo0;
   }
   return make_uint4(x, y, z, w);
@@ -224,8 +277,8 @@ __device__ __forceinline__ TileData<T> load_tile(const T* x, int64_t tile, int l
   return d;
 }
 
-template <typename T, MaskMode M>
-__device__ __forceinline__ void forward_tile(const ForwardParams& P, const TileData<T>& d, T* y, void* mask,
+template <typename T, MaskMode M, typename Keys, typename Params>
+__device__ __forceinline__ void forward_tile(const Keys& keys, const Params& P, const TileData<T>& d, T* y, void* mask,
                                              int64_t tile, int lane) {
   constexpr int V = ChunkShape<T>::V;
   constexpr int CH = ChunkShape<T>::CH;
@@ -237,8 +290,8 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& P, const TileD
   for (int j = 0; j < CH; ++j) {
     const int64_t c = chunk0 + j * 32 + lane;
     const uint64_t s = static_cast<uint64_t>(c) * (V / 4);  // first Philox block of the chunk
-    uint32_t b = keep_bits(philox_block(P.philox, s), P.threshold);
-    if constexpr (V == 8) b |= keep_bits(philox_block(P.philox, s + 1), P.threshold) << 4;
+    uint32_t b = keep_bits(philox_block(keys, s), P.threshold);
+    if constexpr (V == 8) b |= keep_bits(philox_block(keys, s + 1), P.threshold) << 4;
     bits[j] = b;
     ys[j * 32 + lane] = chunk_apply<T>(d.chunk[j], b, P.scale);
     if constexpr (M == MaskMode::Bytes) {
@@ -267,15 +320,16 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& P, const TileD
 }
 
 // Elements [32 g, min(32 g + 32, n)) one at a time: any alignment, any remainder.
-template <typename T, MaskMode M>
-__device__ __forceinline__ void forward_group(const ForwardParams& P, const T* x, T* y, void* mask, int64_t g) {
+template <typename T, MaskMode M, typename Keys, typename Params>
+__device__ __forceinline__ void forward_group(const Keys& keys, const Params& P, const T* x, T* y, void* mask,
+                                              int64_t g) {
   const int64_t base = g * kGroup;
   const int64_t left = P.n - base;
   uint32_t word = 0;
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
     if (q * 4 < left) {
-      const uint4 r = philox_block(P.philox, static_cast<uint64_t>(g) * 8 + q);
+      const uint4 r = philox_block(keys, static_cast<uint64_t>(g) * 8 + q);
       const uint32_t b = keep_bits(r, P.threshold);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -295,22 +349,23 @@ __device__ __forceinline__ void forward_group(const ForwardParams& P, const T* x
   }
 }
 
-template <typename T, MaskMode M, bool Vector>
+template <typename T, MaskMode M, bool Vector, typename Source>
 __global__ void __launch_bounds__(kThreads, ChunkShape<T>::kMinBlocks)
-    dropout_forward_kernel(const T* x, T* y, void* mask, ForwardParams P) {
+    dropout_forward_kernel(const T* x, T* y, void* mask, ForwardParams<Source> P) {
+  decltype(auto) keys = philox_inputs(P.philox);  // a reference to P's constants when eager
   int64_t first_group = 0;
   if constexpr (Vector) {
     const int64_t tiles = P.n / kTile;
     TileData<T> d[ChunkShape<T>::kUnitTiles];
     for_each_unit<T>(
         tiles, [&](int64_t tile, int k, int lane) { d[k] = load_tile(x, tile, lane); },
-        [&](int64_t tile, int k, int lane) { forward_tile<T, M>(P, d[k], y, mask, tile, lane); });
+        [&](int64_t tile, int k, int lane) { forward_tile<T, M>(keys, P, d[k], y, mask, tile, lane); });
     first_group = tiles * (kTile / kGroup);
   }
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t groups = (P.n + kGroup - 1) / kGroup;
-  for (int64_t g = first_group + thread; g < groups; g += threads) forward_group<T, M>(P, x, y, mask, g);
+  for (int64_t g = first_group + thread; g < groups; g += threads) forward_group<T, M>(keys, P, x, y, mask, g);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -486,16 +541,16 @@ void launch(void (*kernel)(Params...), int64_t threads, int max_blocks, cudaStre
   INFERCTX_CUDA(cudaGetLastError(), device);
 }
 
-template <typename T, MaskMode M>
-void launch_forward_mode(const void* x, void* y, void* mask, const ForwardParams& P, bool vector,
+template <typename T, MaskMode M, typename Source>
+void launch_forward_mode(const void* x, void* y, void* mask, const ForwardParams<Source>& P, bool vector,
                          cudaStream_t stream, int device, int max_blocks) {
-  const auto kernel = vector ? dropout_forward_kernel<T, M, true> : dropout_forward_kernel<T, M, false>;
+  const auto kernel = vector ? dropout_forward_kernel<T, M, true, Source> : dropout_forward_kernel<T, M, false, Source>;
   launch(kernel, threads_needed<T>(P.n, vector), max_blocks, stream, device, static_cast<const T*>(x),
          static_cast<T*>(y), mask, P);
 }
 
-template <typename T>
-void launch_forward(const void* x, void* y, void* mask, MaskMode mode, const ForwardParams& P, bool vector,
+template <typename T, typename Source>
+void launch_forward(const void* x, void* y, void* mask, MaskMode mode, const ForwardParams<Source>& P, bool vector,
                     cudaStream_t stream, int device, int max_blocks) {
   switch (mode) {
     case MaskMode::None: return launch_forward_mode<T, MaskMode::None>(x, y, mask, P, vector, stream, device, max_blocks);
@@ -583,14 +638,28 @@ uint64_t dropout_keep_threshold(double p_in) {
 
 void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
                      uint64_t seed, uint64_t offset, cudaStream_t stream, int device, int max_blocks) {
+  dropout_forward(x, y, mask, n, dtype, p, mask_mode, PhiloxSource::host(seed, offset), stream, device, max_blocks);
+}
+
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
+                     const PhiloxSource& source, cudaStream_t stream, int device, int max_blocks) {
   const int64_t elem = dtype_size(dtype);
   check_n(n, elem);
   check_mask_mode(mask_mode);
   check_p(p);
-  if (offset % 4 != 0)
-    invalid("offset", "got " + std::to_string(offset) +
+  if (!source.captured && source.offset % 4 != 0)
+    invalid("offset", "got " + std::to_string(source.offset) +
                           "; it must be a multiple of 4 (one Philox counter gives 4 values; take it from "
                           "increment_offset)");
+  if (source.captured) {
+    const GraphPhilox& g = source.graph;
+    if (g.header == nullptr || g.slot == nullptr || g.uid == 0 || g.site >= kGraphSitesPerSeed || g.step == 0 ||
+        g.step % 4 != 0 || g.step > kGraphMaxStep)
+      invalid("site", "is not a call site taken by GraphRng::capture (null state, uid 0, site past 2^24 or a step "
+                      "that is not a multiple of 4 in [4, 2^62])");
+    if (n > kGraphMaxElements)
+      invalid("n", "got " + std::to_string(n) + "; a call captured into a CUDA graph draws for at most 2^42 elements");
+  }
   const MaskMode mode = static_cast<MaskMode>(mask_mode);
   if (n == 0) return;
   const int64_t bytes = n * elem;
@@ -621,19 +690,40 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
     return;
   }
 
-  ForwardParams P{};
-  P.philox = make_philox_constants(seed, offset);
-  P.threshold = static_cast<uint32_t>(dropout_keep_threshold(p));
-  P.scale = dropout_scale(p);
-  P.n = n;
+  const uint32_t threshold = static_cast<uint32_t>(dropout_keep_threshold(p));
+  const float scale = dropout_scale(p);
   const int64_t chunk_elems = 16 / elem;
   const bool vector = aligned16(x) && aligned16(y) &&
                       (mode != MaskMode::Bytes || address(mask) % static_cast<uint64_t>(chunk_elems) == 0);
-  switch (static_cast<DType>(dtype)) {
-    case DType::Float32: return launch_forward<float>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
-    case DType::Float16: return launch_forward<__half>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
-    case DType::BFloat16: return launch_forward<__nv_bfloat16>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
+  const auto run = [&](const auto& P) {
+    switch (static_cast<DType>(dtype)) {
+      case DType::Float32: return launch_forward<float>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
+      case DType::Float16: return launch_forward<__half>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
+      case DType::BFloat16: return launch_forward<__nv_bfloat16>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
+    }
+  };
+  if (!source.captured) {
+    ForwardParams<PhiloxConstants> P{};
+    P.philox = make_philox_constants(source.seed, source.offset);
+    P.threshold = threshold;
+    P.scale = scale;
+    P.n = n;
+    run(P);
+    return;
   }
+  const GraphPhilox& g = source.graph;
+  ForwardParams<GraphPhiloxParams> P{};
+  P.philox.header = g.header;
+  P.philox.slot = g.slot;
+  P.philox.uid = g.uid;
+  P.philox.counters_per_replay = g.step / 4;
+  P.philox.site_word = static_cast<uint32_t>(graph_subsequence_base(g.site) >> 32);
+  P.threshold = threshold;
+  P.scale = scale;
+  P.n = n;
+  run(P);
+  // Same stream, right after: the next launch (replay) of this call sees r + 1.
+  advance_graph_site(g, stream, dev);
 }
 
 void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, double p,

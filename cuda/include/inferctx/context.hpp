@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "inferctx/blas.hpp"
+#include "inferctx/graph_rng.hpp"
 #include "inferctx/memory.hpp"
 #include "inferctx/philox.hpp"
 #include "inferctx/plan.hpp"
@@ -83,8 +84,14 @@ class InferenceContext {
   cudaStream_t own_stream() const noexcept { return own_stream_.handle(); }  // created with the context
 
   std::pair<uint64_t, uint64_t> increment_offset(uint64_t increment) { return philox_.increment_offset(increment); }
-  void set_seed(uint64_t seed) { philox_.set_seed(seed); }
+  // Resets the eager and the graph state (graph_rng.hpp): the graphs' device header is rewritten
+  // in order on `stream` (the compute stream when not given), so replays queued there before
+  // keep the old seed and those queued after start from replay 0 with the new one.
+  void set_seed(uint64_t seed) { graph_rng_.set_seed(seed, stream()); }
+  void set_seed(uint64_t seed, cudaStream_t stream) { graph_rng_.set_seed(seed, stream); }
   const PhiloxState& philox() const noexcept { return philox_; }
+  // Philox draws under CUDA-graph capture (graph_rng.hpp).
+  GraphRng& graph_rng() noexcept { return graph_rng_; }
 
   CublasHandle& cublas() noexcept { return *cublas_; }
 
@@ -107,6 +114,7 @@ class InferenceContext {
   // The plan's max_tokens, readable without the mutex by the token counter.
   std::atomic<int64_t> token_limit_{0};
   PhiloxState philox_;
+  GraphRng graph_rng_{device_, philox_};  // after philox_, which it numbers sites from
 
   int64_t views_alive_locked() const;
 };

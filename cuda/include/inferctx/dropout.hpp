@@ -35,6 +35,8 @@
 
 #include <cstdint>
 
+#include "inferctx/graph_rng.hpp"
+
 namespace inferctx {
 
 enum class MaskMode : int { None = 0, Bytes = 1, Bits = 2 };
@@ -63,6 +65,16 @@ uint64_t dropout_keep_threshold(double p);
 // offsets). Any n >= 0; null pointers are allowed when n == 0 (nothing is queued).
 void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
                      uint64_t seed, uint64_t offset, cudaStream_t stream, int device = -1, int max_blocks = 0);
+
+// Forward drawing from `source` (graph_rng.hpp): host (seed, offset) as above, or a captured call
+// site. For a site the kernel reads the seed and the replay number r from the site's device state
+// when it runs, so element i uses curand_init(seed, (site << 40) + i / 4, 2^63 + site.step * r),
+// and a one-thread kernel queued right after it on `stream` advances r (at every replay of the
+// graph the call was captured into; outside capture, at every call). ConfigError("n") for more
+// than 2^42 elements from a site, ConfigError("site") for a malformed site. p rounding to 0 or 1
+// draws nothing and leaves r as it is.
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
+                     const PhiloxSource& source, cudaStream_t stream, int device = -1, int max_blocks = 0);
 
 // Backward: out_i = mask_i ? to_dtype(fl32((float)grad_i * dropout_scale(p))) : +0, for a mask
 // made by dropout_forward with the same p (Bytes: any nonzero byte counts as set; Bits: the
