@@ -4,40 +4,81 @@ It plans and owns the inference workspace (activations, KV cache, attention scor
 cuBLAS handle, the compute and communication streams, the generated-token counter and the
 Philox RNG state, with the dropout and GEMM kernels that use them. Planning works without a
 GPU; every buffer is reachable from PyTorch, CuPy, JAX, Numba and NumPy without a copy.
+
+``import inferctx`` and planning load no CUDA library: the GPU names (InferenceContext,
+DeviceView, PinnedBuffer, Stream, Event, dropout, apply_mask, gemm and the rest) load the GPU
+module, and cuBLAS with it, on first use.
 """
 
-from ._libs import preload as _preload
+from __future__ import annotations
 
-_preload()
+from typing import TYPE_CHECKING, Any
 
-from . import errors  # noqa: E402
-from . import gemm as _gemm_module  # noqa: E402
-from .errors import *  # noqa: E402,F401,F403  (the exception classes, errors.__all__)
-from .planning import ModelShape, Region, WorkspacePlan, plan_workspace  # noqa: E402
-from .presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset  # noqa: E402
-from .context import DeviceView, Event, InferenceContext, PinnedBuffer, Stream  # noqa: E402
-from ._core import apply_mask, dropout  # noqa: E402
-from .gemm import *  # noqa: E402,F401,F403  (gemm, bmm, autotune_gemm and the cache, gemm.__all__)
+from . import errors
+from ._libs import install_hook as _install_hook
+from .errors import *  # noqa: F401,F403  (the exception classes, errors.__all__)
+from .planning import (ModelShape, Region, WorkspacePlan, max_batch_size, max_out_tokens_for,  # noqa: F401
+                       plan_workspace)
+from .presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_info, model_preset  # noqa: F401
+
+_install_hook()
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it; imported on first access (module __getattr__, PEP 562).
+_GPU_NAMES = {
+    "InferenceContext": "context",
+    "DeviceView": "context",
+    "PinnedBuffer": "context",
+    "Stream": "context",
+    "Event": "context",
+    "dropout": "_core",
+    "apply_mask": "_core",
+    # gemm.__all__ (tests/python/test_import.py checks that the two lists agree)
+    "gemm": "gemm",
+    "bmm": "gemm",
+    "autotune_gemm": "gemm",
+    "save_gemm_cache": "gemm",
+    "load_gemm_cache": "gemm",
+    "clear_gemm_cache": "gemm",
+    "gemm_cache_entries": "gemm",
+}
+
+if TYPE_CHECKING:
+    from ._core import apply_mask, dropout
+    from .context import DeviceView, Event, InferenceContext, PinnedBuffer, Stream
+    from .gemm import (autotune_gemm, bmm, clear_gemm_cache, gemm, gemm_cache_entries, load_gemm_cache,
+                       save_gemm_cache)
+
+
+def __getattr__(name: str) -> Any:
+    module = _GPU_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'inferctx' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_GPU_NAMES))
+
 
 __all__ = [
     "ModelShape",
     "Region",
     "WorkspacePlan",
     "plan_workspace",
+    "max_batch_size",
+    "max_out_tokens_for",
     "MODEL_PRESETS",
     "GPU_PRESETS",
     "model_preset",
+    "model_info",
     "gpu_preset",
-    "InferenceContext",
-    "DeviceView",
-    "PinnedBuffer",
-    "Stream",
-    "Event",
-    "dropout",
-    "apply_mask",
     "errors",
-    *_gemm_module.__all__,
+    *_GPU_NAMES,
     *errors.__all__,
 ]

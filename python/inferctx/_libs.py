@@ -1,34 +1,69 @@
-"""Finds libcublas / libcublasLt before the extension loads.
+"""Finds libcublas / libcublasLt before the GPU module inferctx._core loads.
 
 The extension's RPATH points at the nvidia-cublas wheel beside the package; when the package
 is installed elsewhere (``pip install --target``, an editable build) the wheel may live in
 another site-packages directory on sys.path. Loading the libraries by full path first lets
 the dynamic loader resolve the extension's dependency by soname.
+
+Nothing here runs at ``import inferctx``: planning loads no CUDA library. ``install_hook``
+puts a finder on sys.meta_path that preloads the libraries the first time inferctx._core is
+imported, whichever module imports it (inferctx.context, inferctx.gemm, or a lazy attribute
+of the package).
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.abc
+import importlib.machinery
 import os
 import sys
+import threading
+from collections.abc import Iterator, Sequence
+from types import ModuleType
 
 _LIBS = ("libcublasLt.so.13", "libcublas.so.13")
+_CORE = "inferctx._core"
+_done = False
+_lock = threading.Lock()
 
 
 def preload() -> None:
-    for directory in _candidate_dirs():
-        paths = [os.path.join(directory, name) for name in _LIBS]
-        if all(os.path.exists(p) for p in paths):
-            for p in paths:
-                ctypes.CDLL(p)  # RTLD_LOCAL: its symbols must not interpose on others
+    """Loads cuBLAS from the first directory that has both libraries (once per process)."""
+    global _done
+    with _lock:
+        if _done:
             return
-    # Otherwise the RPATH or the system's loader path must provide them; the import of
-    # the extension then says which library is missing.
+        _done = True
+        for directory in _candidate_dirs():
+            paths = [os.path.join(directory, name) for name in _LIBS]
+            if all(os.path.exists(p) for p in paths):
+                for p in paths:
+                    ctypes.CDLL(p)  # RTLD_LOCAL: its symbols must not interpose on others
+                return
+        # Otherwise the RPATH or the system's loader path must provide them; the import of
+        # the extension then says which library is missing.
 
 
-def _candidate_dirs():
+def _candidate_dirs() -> Iterator[str]:
     here = os.path.dirname(os.path.abspath(__file__))
     yield os.path.join(here, "..", "nvidia", "cu13", "lib")
     for entry in sys.path:
         if entry:
             yield os.path.join(entry, "nvidia", "cu13", "lib")
+
+
+class _PreloadBeforeCore(importlib.abc.MetaPathFinder):
+    """Preloads cuBLAS when inferctx._core is first imported; finds nothing itself."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == _CORE:
+            preload()
+        return None
+
+
+def install_hook() -> None:
+    """Arranges for preload() to run before inferctx._core loads (idempotent)."""
+    if not any(isinstance(f, _PreloadBeforeCore) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PreloadBeforeCore())

@@ -1,16 +1,40 @@
-"""The `inferctx` command: `inferctx plan ...` and `inferctx presets`."""
+"""The `inferctx` command: `inferctx plan ...` and `inferctx presets`.
+
+Every failure is one line on stderr in the command's own terms (flag names, GiB for the
+flags given in GiB) and exit status 2; a bare `inferctx` prints the usage on stderr and exits
+2 as well. Output cut short by the reader (`inferctx presets --json | head`) ends quietly
+with status 0.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
-from . import presets
-from .errors import InferCtxError, WorkspaceOOMError
-from .planning import ModelShape, human_bytes, plan_workspace
+from . import __version__, presets
+from .errors import ConfigError, InferCtxError, NoCudaDeviceError, WorkspaceOOMError, _brief
+from .planning import (ModelShape, WorkspacePlan, human_bytes, max_batch_size, max_out_tokens_for,
+                       plan_workspace)
 
 GIB = 1 << 30
+INT64_MAX = (1 << 63) - 1
+MAX_SWEEP = 4096  # rows of --sweep-batch
+
+_EPILOG = f"""\
+memory: --gpu PRESET plans against the preset's total less {presets.CUDA_OVERHEAD_MIB} MiB (the CUDA
+driver's reservation, a context and cuBLAS, measured on an H200) less the model's weights, which
+--weights auto (the default with --preset and --gpu) works out from the preset's parameter count
+(parameters x dtype size / --mp-size). --free-gb and the real device (--device, or no memory
+flag) give free memory as it is now: the weights are taken as loaded unless --weights auto or
+--weights-gb says they are still to come. Use --gpu before loading a model, the device once it
+is loaded (as gen_workspace does).
+"""
 
 
 class _UsageError(Exception):
@@ -18,43 +42,63 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2, no usage dump
-        raise _UsageError(message)
+    def error(self, message: str) -> NoReturn:  # one line, exit code 2, no usage dump
+        raise _UsageError(_clip_words(message))
+
+
+def _clip_words(message: str, limit: int = 60) -> str:
+    """Long words (a 10^6-character value echoed back) clipped to `limit` characters."""
+    return re.sub(r"\S{%d,}" % (limit + 1), lambda m: f"{m.group(0)[:limit]}... ({len(m.group(0)):,} "
+                  f"characters)", message)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="inferctx", description="Plan and inspect inference workspaces.")
-    sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    sub.required = True
+    p = _Parser(prog="inferctx", description="Plan and inspect inference workspaces (no GPU needed).")
+    p.add_argument("--version", action="version", version=f"inferctx {__version__}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,presets}")
 
-    plan = sub.add_parser("plan", help="plan a workspace (works without a GPU)")
+    plan = sub.add_parser("plan", help="plan a workspace (works without a GPU)", epilog=_EPILOG,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     model = plan.add_argument_group("model (a preset or explicit shape)")
     model.add_argument("--preset", help="model preset, e.g. llama-2-7b (see `inferctx presets`)")
-    model.add_argument("--layers", type=int, help="number of layers")
-    model.add_argument("--heads", type=int, help="number of attention heads")
-    model.add_argument("--hidden", type=int, help="hidden size")
-    model.add_argument("--kv-heads", type=int, help="KV heads (GQA/MQA); default: the preset's, or heads")
+    model.add_argument("--layers", metavar="N", help="number of layers")
+    model.add_argument("--heads", metavar="N", help="number of attention heads")
+    model.add_argument("--hidden", metavar="N", help="hidden size")
+    model.add_argument("--kv-heads", metavar="N", help="KV heads (GQA/MQA); default: the preset's, or --heads")
+    model.add_argument("--head-dim", metavar="N",
+                       help="size of one head; default: the preset's, or --hidden / --heads")
     mem = plan.add_argument_group("memory (a GPU preset, explicit figures, or the real device)")
     mem.add_argument("--gpu", help="GPU preset, e.g. h100-80gb, h200")
-    mem.add_argument("--free-gb", type=float, help="free memory in GiB")
-    mem.add_argument("--total-gb", type=float, help="total memory in GiB (default: --free-gb)")
-    mem.add_argument("--device", type=int, help="read memory from this CUDA device")
-    mem.add_argument("--reserve-gb", type=float, help="memory kept free (exact policy)")
-    mem.add_argument("--memory-limit-gb", type=float, help="cap on the workspace budget (exact policy)")
-    mem.add_argument("--memory-fraction", type=float, help="cap as a fraction of free memory (exact policy)")
+    mem.add_argument("--free-gb", metavar="GIB", help="free memory now, in GiB")
+    mem.add_argument("--total-gb", metavar="GIB", help="total memory in GiB (default: --free-gb)")
+    mem.add_argument("--device", metavar="N", help="read free memory from this CUDA device now")
+    mem.add_argument("--weights", choices=("auto", "none"),
+                     help="auto: subtract the preset's weights (default with --preset and --gpu); "
+                          "none: free memory already excludes them")
+    mem.add_argument("--weights-gb", metavar="GIB", help="weights still to load on this GPU, in GiB")
+    mem.add_argument("--reserve-gb", metavar="GIB", help="memory kept free (exact policy)")
+    mem.add_argument("--memory-limit-gb", metavar="GIB", help="cap on the workspace budget (exact policy)")
+    mem.add_argument("--memory-fraction", metavar="F",
+                     help="cap as a fraction of free memory after the weights (exact policy)")
     req = plan.add_argument_group("request")
-    req.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    req.add_argument("--prompt-len", type=int, default=1, help="prompt length (default 1)")
-    req.add_argument("--max-tokens", type=int, default=2048, help="max_out_tokens, prompt included (default 2048)")
-    req.add_argument("--min-tokens", type=int, default=1, help="min_out_tokens (default 1)")
+    req.add_argument("--batch", metavar="N", help="batch size (default 1)")
+    req.add_argument("--prompt-len", metavar="N", help="prompt length (default 1)")
+    req.add_argument("--max-tokens", metavar="N", help="max_out_tokens, prompt included (default 2048)")
+    req.add_argument("--min-tokens", metavar="N", help="min_out_tokens (default 1)")
     req.add_argument("--dtype", default="float16", help="float16 (default), bfloat16 or float32")
-    req.add_argument("--mp-size", type=int, default=1, help="model-parallel size (default 1)")
-    req.add_argument("--rank", type=int, default=0, help="model-parallel rank (default 0)")
+    req.add_argument("--mp-size", metavar="N", help="model-parallel size (default 1)")
+    req.add_argument("--rank", metavar="N", help="model-parallel rank (default 0)")
     req.add_argument("--external-cache", action="store_true", help="KV cache managed elsewhere")
     req.add_argument("--policy", default="exact", choices=("exact", "deepspeed"), help="sizing policy")
+    ask = plan.add_argument_group("answers")
+    ask.add_argument("--max-batch", action="store_true",
+                     help="the largest --batch that holds all --max-tokens tokens")
+    ask.add_argument("--most-tokens", action="store_true",
+                     help="the largest --max-tokens a batch of --batch holds in full")
     out = plan.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
-    out.add_argument("--sweep-batch", type=int, metavar="N", help="print max tokens for batch 1..N")
+    out.add_argument("--sweep-batch", metavar="N",
+                     help=f"print max tokens for batch 1..N (N <= {MAX_SWEEP})")
     out.add_argument("--plot", metavar="FILE.png", help="with --sweep-batch: draw max tokens against batch")
 
     ls = sub.add_parser("presets", help="list the built-in model and GPU presets")
@@ -62,63 +106,220 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gib(value, flag):
-    if value is None:
+# -- flag values ---------------------------------------------------------------------------
+
+def _int(text: str | None, flag: str, *, minimum: int = 1, default: int | None = None) -> int | None:
+    if text is None:
+        return default
+    try:
+        value = int(text.strip().replace("_", ""), 10)
+    except ValueError:
+        raise _UsageError(f"{flag}: got {_brief(text)}; it must be a whole number") from None
+    if value < minimum:
+        raise _UsageError(f"{flag}: got {value}; it must be >= {minimum}")
+    if value > INT64_MAX:
+        raise _UsageError(f"{flag}: got {_brief(value)}; it must be below 2**63 = {1 << 63:,}")
+    return value
+
+
+def _float(text: str, flag: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _UsageError(f"{flag}: got {_brief(text)}; it must be a number") from None
+    if not math.isfinite(value):
+        raise _UsageError(f"{flag}: got {_brief(text)}; it must be a finite number")
+    return value
+
+
+_MAX_GIB = INT64_MAX / GIB
+
+
+def _gib(text: str | None, flag: str, *, zero_ok: bool = False) -> int | None:
+    """A GiB flag as bytes (None when absent)."""
+    if text is None:
         return None
-    if not value > 0:
-        raise _UsageError(f"{flag}: got {value}; it must be a positive number of GiB")
+    value = _float(text, flag)
+    if value < 0 or (value == 0 and not zero_ok):
+        raise _UsageError(f"{flag}: got {_brief(text)}; it must be a {'' if zero_ok else 'positive '}number "
+                          f"of GiB{' (>= 0)' if zero_ok else ''}")
+    if value >= _MAX_GIB:
+        raise _UsageError(f"{flag}: got {_brief(text)}; it must be below {_MAX_GIB:,.0f} GiB (2**63 bytes)")
     return int(value * GIB)
 
 
-def _shape(args) -> ModelShape:
-    explicit = [args.layers, args.heads, args.hidden]
-    if args.preset:
-        if any(v is not None for v in explicit):
-            raise _UsageError("give either --preset or --layers/--heads/--hidden, not both")
-        base = presets.model_preset(args.preset)
-        kv = args.kv_heads if args.kv_heads is not None else base.num_kv_heads
-        return ModelShape(base.num_layers, base.num_heads, base.hidden_dim, kv)
-    if any(v is None for v in explicit):
-        raise _UsageError("give --preset NAME, or all of --layers, --heads and --hidden")
-    return ModelShape(args.layers, args.heads, args.hidden, args.kv_heads)
+# -- planner names in the command's terms --------------------------------------------------
+
+_FLAGS = {
+    "batch_size": "--batch", "prompt_len": "--prompt-len", "max_out_tokens": "--max-tokens",
+    "min_out_tokens": "--min-tokens", "mp_size": "--mp-size", "rank": "--rank", "dtype": "--dtype",
+    "policy": "--policy", "external_cache": "--external-cache", "preset": "--preset", "gpu": "--gpu",
+    "memory_fraction": "--memory-fraction", "memory_limit_bytes": "--memory-limit-gb",
+    "reserve_bytes": "--reserve-gb", "weights_bytes": "--weights-gb", "free_bytes": "--free-gb",
+    "total_bytes": "--total-gb", "device": "--device",
+}
+_SHAPE_FLAGS = {"num_layers": "--layers", "num_heads": "--heads", "hidden_dim": "--hidden",
+                "num_kv_heads": "--kv-heads", "head_dim": "--head-dim"}
 
 
-def _memory(args) -> dict:
-    if args.gpu and (args.free_gb is not None or args.total_gb is not None):
-        raise _UsageError("give either --gpu or --free-gb/--total-gb, not both")
-    if args.gpu:
+def _cli_terms(message: str, explicit_shape: bool) -> str:
+    names = dict(_FLAGS)
+    if explicit_shape:
+        names.update(_SHAPE_FLAGS)
+    # Keyword names with an underscore are replaced wherever they appear; one-word names (dtype,
+    # rank, preset, ...) only where they name an argument ("rank: ...", "rank=2"), not in prose.
+    words = sorted(names, key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(words) + r")(?![\w])")
+
+    def rename(m: re.Match[str]) -> str:
+        name = m.group(1)
+        follows = message[m.end():m.end() + 1]
+        return names[name] if "_" in name or follows in (":", "=") else name
+
+    return _clip_words(pattern.sub(rename, message))
+
+
+# -- plan ------------------------------------------------------------------------------------
+
+def _shape(args: argparse.Namespace) -> tuple[ModelShape, str]:
+    """The shape and a name for it (the preset's, or the figures)."""
+    explicit = {"--layers": args.layers, "--heads": args.heads, "--hidden": args.hidden}
+    kv = _int(args.kv_heads, "--kv-heads")
+    head = _int(args.head_dim, "--head-dim")
+    if args.preset is not None:
+        given = [f for f, v in explicit.items() if v is not None]
+        if given:
+            raise _UsageError(f"give either --preset or --layers/--heads/--hidden, not both (got --preset "
+                              f"and {', '.join(given)})")
+        info = presets.model_info(args.preset)
+        shape = info.shape
+        changes: dict[str, Any] = {}
+        if kv is not None:
+            changes["num_kv_heads"] = kv
+        if head is not None:
+            changes["head_dim"] = head
+        return (shape.replace(**changes) if changes else shape), info.name
+    missing = [f for f, v in explicit.items() if v is None]
+    if missing:
+        raise _UsageError(f"give --preset NAME, or all of --layers, --heads and --hidden (missing "
+                          f"{', '.join(missing)})")
+    layers = _int(args.layers, "--layers")
+    heads = _int(args.heads, "--heads")
+    hidden = _int(args.hidden, "--hidden")
+    assert layers is not None and heads is not None and hidden is not None
+    shape = ModelShape(layers, heads, hidden, kv, head_dim=head)
+    return shape, f"{layers} layers x {heads} heads, hidden {hidden}"
+
+
+def _memory(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """plan_workspace's memory arguments and a name for the memory planned against."""
+    figures = [f for f, v in (("--free-gb", args.free_gb), ("--total-gb", args.total_gb)) if v is not None]
+    if args.gpu is not None and args.device is not None:
+        raise _UsageError("give either --gpu (a preset) or --device (a real GPU), not both")
+    if args.gpu is not None and figures:
+        raise _UsageError(f"give either --gpu or --free-gb/--total-gb, not both (got --gpu and "
+                          f"{', '.join(figures)})")
+    if args.device is not None and figures:
+        raise _UsageError(f"give either --device or --free-gb/--total-gb, not both (got --device and "
+                          f"{', '.join(figures)})")
+    if args.gpu is not None:
         g = presets.gpu_preset(args.gpu)
-        return {"free_bytes": g.free_bytes, "total_bytes": g.total_bytes}
-    if args.free_gb is not None or args.total_gb is not None:
+        return {"gpu": g}, g.name
+    if figures:
         if args.free_gb is None:
             raise _UsageError("--total-gb needs --free-gb")
-        free = _gib(args.free_gb, "--free-gb")
+        free = _gib(args.free_gb, "--free-gb", zero_ok=True)
         total = _gib(args.total_gb, "--total-gb") if args.total_gb is not None else free
-        return {"free_bytes": free, "total_bytes": total}
-    return {"device": args.device}  # read from the real device
+        assert free is not None and total is not None
+        if total == 0:
+            raise _UsageError("--free-gb: got 0 without --total-gb; give --total-gb too (a positive number of GiB)")
+        if free > total:
+            raise _UsageError(f"--free-gb: got {args.free_gb}; it must be at most --total-gb {args.total_gb}")
+        return {"free_bytes": free, "total_bytes": total}, f"{human_bytes(free)} free"
+    device = _int(args.device, "--device", minimum=0)
+    return {"device": device}, "device " + ("current" if device is None else str(device))
 
 
-def _plan_kwargs(args) -> dict:
-    kw = dict(batch_size=args.batch, prompt_len=args.prompt_len, max_out_tokens=args.max_tokens,
-              min_out_tokens=args.min_tokens, dtype=args.dtype, mp_size=args.mp_size, rank=args.rank,
-              external_cache=args.external_cache, policy=args.policy,
-              reserve_bytes=None if args.reserve_gb is None else int(args.reserve_gb * GIB),
-              memory_limit_bytes=_gib(args.memory_limit_gb, "--memory-limit-gb"),
-              memory_fraction=args.memory_fraction)
-    kw.update(_memory(args))
-    return kw
+def _weights(args: argparse.Namespace, has_preset: bool, memory: dict[str, Any]) -> int | str:
+    if args.weights is not None and args.weights_gb is not None:
+        raise _UsageError("give either --weights or --weights-gb, not both")
+    if args.weights_gb is not None:
+        w = _gib(args.weights_gb, "--weights-gb", zero_ok=True)
+        assert w is not None
+        return w
+    if args.weights == "none":
+        return 0
+    if args.weights == "auto":
+        if not has_preset:
+            raise _UsageError("--weights auto needs --preset (its parameter count); give --weights-gb N instead")
+        return "auto"
+    if "gpu" in memory:
+        if not has_preset:
+            raise _UsageError("--gpu plans against the card's whole memory, so the weights must be counted: "
+                              "give --weights-gb N (the weights on this GPU; 0 if they live elsewhere), or "
+                              "--preset NAME for its parameter count")
+        return "auto"
+    return 0
 
 
-def _sweep(shape, kw, n, as_json, plot):
-    if n < 1:
-        raise _UsageError(f"--sweep-batch: got {n}; it must be >= 1")
+def _plan_kwargs(args: argparse.Namespace) -> tuple[ModelShape, dict[str, Any], dict[str, str]]:
+    shape, model_name = _shape(args)
+    memory, memory_name = _memory(args)
+    kw: dict[str, Any] = dict(
+        batch_size=_int(args.batch, "--batch", default=1),
+        prompt_len=_int(args.prompt_len, "--prompt-len", default=1),
+        max_out_tokens=_int(args.max_tokens, "--max-tokens", default=2048),
+        min_out_tokens=_int(args.min_tokens, "--min-tokens", default=1),
+        dtype=args.dtype, mp_size=_int(args.mp_size, "--mp-size", default=1),
+        rank=_int(args.rank, "--rank", minimum=0, default=0),
+        external_cache=args.external_cache, policy=args.policy,
+        weights_bytes=_weights(args, args.preset is not None, memory),
+        reserve_bytes=_gib(args.reserve_gb, "--reserve-gb", zero_ok=True),
+        memory_limit_bytes=_gib(args.memory_limit_gb, "--memory-limit-gb"),
+        memory_fraction=None if args.memory_fraction is None else _float(args.memory_fraction,
+                                                                          "--memory-fraction"),
+    )
+    if kw["memory_fraction"] is not None and not 0 < kw["memory_fraction"] <= 1:
+        raise _UsageError(f"--memory-fraction: got {_brief(args.memory_fraction)}; it must be in (0, 1], a "
+                          f"fraction of free memory")
+    kw.update(memory)
+    return shape, kw, {"model": model_name, "memory": memory_name}
+
+
+def _check_plot(path: str) -> None:
+    """Refuses, before anything is planned or printed, a --plot that could not be written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise _UsageError("--plot needs matplotlib: pip install 'inferctx[plot]'") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _UsageError(f"--plot: the folder {_brief(folder)} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise _UsageError(f"--plot: the folder {_brief(folder)} is not writable")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    kinds = Figure().canvas.get_supported_filetypes()
+    if ext not in kinds:
+        raise _UsageError(f"--plot: {_brief(path)} has {'no extension' if not ext else f'extension .{ext}'}; "
+                          f"valid: {', '.join('.' + k for k in sorted(kinds))}")
+
+
+def _sweep(shape: ModelShape, kw: dict[str, Any], n: int, as_json: bool, plot: str | None,
+           names: dict[str, str]) -> None:
     rows = []
+    fits = True
     for b in range(1, n + 1):
-        try:
-            p = plan_workspace(shape, **{**kw, "batch_size": b})
-            rows.append((b, p.max_tokens, p.workspace_bytes, p.bound_by))
-        except WorkspaceOOMError:
-            rows.append((b, 0, 0, "does not fit"))
+        if fits:  # a larger batch never holds more tokens: after the first miss, none fits
+            try:
+                p = plan_workspace(shape, **{**kw, "batch_size": b})
+                rows.append((b, p.max_tokens, p.workspace_bytes, p.bound_by))
+                continue
+            except WorkspaceOOMError:
+                fits = False
+        rows.append((b, 0, 0, "does not fit"))
     if as_json:
         print(json.dumps([dict(batch_size=b, max_tokens=t, workspace_bytes=w, bound_by=why)
                           for b, t, w, why in rows], indent=2))
@@ -127,72 +328,146 @@ def _sweep(shape, kw, n, as_json, plot):
         for b, t, w, why in rows:
             print(f"{b:>6}{t:>12}{human_bytes(w):>14}  {why}")
     if plot:
-        _plot(rows, plot, kw)
+        _plot(rows, plot, kw, names)
 
 
-def _plot(rows, path, kw):
-    try:
-        import matplotlib
+def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], names: dict[str, str]) -> None:
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise _UsageError("--plot needs matplotlib: pip install 'inferctx[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r[0] for r in rows], [r[1] for r in rows], marker="o")
     ax.set_xlabel("batch size")
     ax.set_ylabel("max tokens")
-    ax.set_title(f"max tokens by batch size ({kw['dtype']}, policy {kw['policy']})")
+    ax.set_title(f"{names['model']} on {names['memory']}, {kw['dtype']}: max tokens by batch size "
+                 f"(policy {kw['policy']})")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)
     print(f"wrote {path}")
 
 
-def _cmd_plan(args) -> int:
-    shape = _shape(args)
-    kw = _plan_kwargs(args)
-    if args.plot and not args.sweep_batch:
+def _print_plan(p: WorkspacePlan, as_json: bool, extra: dict[str, Any] | None = None, line: str = "") -> None:
+    if as_json:
+        print(json.dumps({**(extra or {}), **p.to_dict()}, indent=2))
+    else:
+        if line:
+            print(line)
+        print(p)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.batch is not None and args.sweep_batch is not None:
+        raise _UsageError("give either --batch or --sweep-batch, not both")
+    if args.max_batch and args.most_tokens:
+        raise _UsageError("give either --max-batch or --most-tokens, not both")
+    if args.max_batch and args.batch is not None:
+        raise _UsageError("--max-batch finds the batch size: drop --batch")
+    if args.most_tokens and args.max_tokens is not None:
+        raise _UsageError("--most-tokens finds --max-tokens: drop --max-tokens")
+    if (args.max_batch or args.most_tokens) and args.sweep_batch is not None:
+        raise _UsageError(f"give either --sweep-batch or {'--max-batch' if args.max_batch else '--most-tokens'}, "
+                          f"not both")
+    if args.plot is not None and args.sweep_batch is None:
         raise _UsageError("--plot needs --sweep-batch N")
-    if args.sweep_batch:
-        _sweep(shape, {k: v for k, v in kw.items() if k != "batch_size"}, args.sweep_batch, args.json,
-               args.plot)
+    sweep = _int(args.sweep_batch, "--sweep-batch")
+    if sweep is not None and sweep > MAX_SWEEP:
+        raise _UsageError(f"--sweep-batch: got {sweep}; it must be at most {MAX_SWEEP} (one plan per batch size)")
+    if args.plot is not None:
+        _check_plot(args.plot)
+    shape, kw, names = _plan_kwargs(args)
+    if sweep is not None:
+        _sweep(shape, {k: v for k, v in kw.items() if k != "batch_size"}, sweep, args.json, args.plot, names)
         return 0
-    p = plan_workspace(shape, **kw)
-    print(json.dumps(p.to_dict(), indent=2) if args.json else p)
+    if args.max_batch:
+        b = max_batch_size(shape, **{k: v for k, v in kw.items() if k != "batch_size"})
+        if b == 0:  # the plan of batch 1 holding every token says by how much it misses
+            plan_workspace(shape, **{**kw, "batch_size": 1, "min_out_tokens": kw["max_out_tokens"]})
+        p = plan_workspace(shape, **{**kw, "batch_size": b})
+        _print_plan(p, args.json, {"max_batch_size": b},
+                    f"largest batch holding all {kw['max_out_tokens']} tokens: {b}\n")
+        return 0
+    if args.most_tokens:
+        m = max_out_tokens_for(shape, **{k: v for k, v in kw.items() if k != "max_out_tokens"})
+        need = max(kw["prompt_len"], kw["min_out_tokens"])
+        if m == 0:
+            plan_workspace(shape, **{**kw, "max_out_tokens": need, "min_out_tokens": need})
+        p = plan_workspace(shape, **{**kw, "max_out_tokens": m})
+        _print_plan(p, args.json, {"max_out_tokens": m},
+                    f"most tokens a batch of {kw['batch_size']} holds: {m}\n")
+        return 0
+    _print_plan(plan_workspace(shape, **kw), args.json)
     return 0
 
 
-def _cmd_presets(args) -> int:
-    models = {n: presets.model_preset(n) for n in presets.MODEL_PRESETS}
+def _cmd_presets(args: argparse.Namespace) -> int:
+    models = {n: presets.model_info(n) for n in presets.MODEL_PRESETS}
     gpus = {n: presets.gpu_preset(n) for n in presets.GPU_PRESETS}
     if args.json:
         print(json.dumps({
-            "models": {n: dict(num_layers=s.num_layers, num_heads=s.num_heads, hidden_dim=s.hidden_dim,
-                               num_kv_heads=s.num_kv_heads, source=presets.model_source(n))
-                       for n, s in models.items()},
-            "gpus": {n: dict(total_bytes=g.total_bytes, description=g.description) for n, g in gpus.items()},
+            "models": {n: dict(num_layers=m.num_layers, num_heads=m.num_heads, hidden_dim=m.hidden_dim,
+                               num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
+                               intermediate_size=m.intermediate_size, num_experts=m.num_experts,
+                               tied_embeddings=m.tied_embeddings, num_params=m.num_params, source=m.source)
+                       for n, m in models.items()},
+            "gpus": {n: dict(total_bytes=g.total_bytes, free_bytes=g.free_bytes, description=g.description)
+                     for n, g in gpus.items()},
+            "cuda_overhead_bytes": presets.CUDA_OVERHEAD_BYTES,
         }, indent=2))
         return 0
     print("models:")
-    print(f"  {'name':<16}{'layers':>7}{'heads':>7}{'kv':>5}{'hidden':>8}  source")
-    for n, s in models.items():
-        print(f"  {n:<16}{s.num_layers:>7}{s.num_heads:>7}{s.num_kv_heads:>5}{s.hidden_dim:>8}  "
-              f"{presets.model_source(n)}")
-    print("gpus:")
+    print(f"  {'name':<16}{'layers':>7}{'heads':>7}{'kv':>5}{'head':>6}{'hidden':>8}{'params':>10}  source")
+    for n, m in models.items():
+        print(f"  {n:<16}{m.num_layers:>7}{m.num_heads:>7}{m.num_kv_heads:>5}{m.head_dim:>6}{m.hidden_dim:>8}"
+              f"{m.num_params / 1e9:>9.2f}B  {m.source}")
+    print(f"gpus (free for planning: total less {presets.CUDA_OVERHEAD_MIB} MiB of CUDA overhead):")
     for n, g in gpus.items():
         print(f"  {n:<16}{human_bytes(g.total_bytes):>12}  {g.description}")
     return 0
 
 
-def main(argv=None) -> int:
-    """Entry point of the `inferctx` console script; returns the exit code."""
+def _quiet_broken_pipe() -> None:
+    # Further writes (the interpreter's flush at exit) go nowhere instead of raising again.
     try:
-        args = _parser().parse_args(argv)
-        return _cmd_plan(args) if args.command == "plan" else _cmd_presets(args)
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `inferctx` console script; returns the exit code."""
+    parser = _parser()
+    explicit_shape = False
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_usage(sys.stderr)
+            print("inferctx: error: give a command: plan or presets (inferctx plan --help for its flags)",
+                  file=sys.stderr)
+            return 2
+        if args.command == "plan":
+            explicit_shape = args.preset is None
+            return _cmd_plan(args)
+        return _cmd_presets(args)
     except _UsageError as exc:
         print(f"inferctx: error: {exc}", file=sys.stderr)
         return 2
-    except InferCtxError as exc:
-        print(f"inferctx: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except NoCudaDeviceError as exc:
+        print(f"inferctx: no CUDA device to read free memory from ({exc.name}): give --gpu PRESET (see "
+              f"`inferctx presets`) or --free-gb N to plan without a GPU", file=sys.stderr)
         return 2
+    except (ConfigError, WorkspaceOOMError) as exc:
+        print(f"inferctx: {type(exc).__name__}: {_cli_terms(str(exc), explicit_shape)}", file=sys.stderr)
+        return 2
+    except InferCtxError as exc:
+        print(f"inferctx: {type(exc).__name__}: {_clip_words(str(exc))}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+        return 0

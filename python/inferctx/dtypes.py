@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import ConfigError
+from .errors import ConfigError, _brief
 
 # Codes of inferctx::DType (cuda/include/inferctx/plan.hpp).
 FLOAT32, FLOAT16, BFLOAT16 = 0, 1, 2
@@ -19,7 +19,7 @@ _ALIASES = {
 VALID = "'float32' ('fp32'), 'float16' ('fp16', 'half') or 'bfloat16' ('bf16')"
 
 
-def _name_of(dtype) -> str | None:
+def _name_of(dtype: object) -> str | None:
     if isinstance(dtype, str):
         return dtype
     module = type(dtype).__module__ or ""
@@ -38,16 +38,16 @@ def _name_of(dtype) -> str | None:
     return None
 
 
-def dtype_code(dtype, argument: str = "dtype") -> int:
+def dtype_code(dtype: object, argument: str = "dtype") -> int:
     """The inferctx dtype code of a string, NumPy dtype or torch dtype."""
     name = _name_of(dtype)
     code = _ALIASES.get(name.strip().lower()) if name is not None else None
     if code is None:
-        raise ConfigError(f"{argument}: got {dtype!r}; valid: {VALID}, or the NumPy/torch "
+        raise ConfigError(f"{argument}: got {_brief(dtype)}; valid: {VALID}, or the NumPy/torch "
                           f"dtype of one of them", argument=argument)
     return code
 
 
-def dtype_name(dtype, argument: str = "dtype") -> str:
+def dtype_name(dtype: object, argument: str = "dtype") -> str:
     """The canonical name ('float32', 'float16', 'bfloat16') of a dtype."""
     return NAMES[dtype_code(dtype, argument)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "InferCtxError",
     "ConfigError",
@@ -20,7 +22,7 @@ class InferCtxError(Exception):
 
     _fields: tuple[str, ...] = ()
 
-    def __init__(self, message: str, **fields):
+    def __init__(self, message: str, **fields: Any) -> None:
         super().__init__(message)
         for name in self._fields:
             setattr(self, name, fields.pop(name, None))
@@ -31,18 +33,36 @@ class InferCtxError(Exception):
     def message(self) -> str:
         return str(self.args[0]) if self.args else ""
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.message, {n: getattr(self, n) for n in self._fields}))
 
 
-def _rebuild(cls, message, fields):
+def _rebuild(cls: type[InferCtxError], message: str, fields: dict[str, Any]) -> InferCtxError:
     return cls(message, **fields)
+
+
+def _brief(value: object, limit: int = 60) -> str:
+    """A value as an error message shows it: its repr, clipped to about `limit` characters.
+
+    Integers too long to print whole (Python refuses str() beyond 4300 digits) are described
+    by their size.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value):,} characters)"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 class ConfigError(InferCtxError, ValueError):
     """An argument is invalid; ``argument`` names it."""
 
     _fields = ("argument",)
+    argument: str | None
 
 
 class WorkspaceOOMError(InferCtxError, MemoryError):
@@ -55,12 +75,21 @@ class WorkspaceOOMError(InferCtxError, MemoryError):
 
     _fields = ("requested_bytes", "free_bytes", "total_bytes", "budget_bytes", "max_batch_size",
                "max_out_tokens")
+    requested_bytes: int | None
+    free_bytes: int | None
+    total_bytes: int | None
+    budget_bytes: int | None
+    max_batch_size: int | None
+    max_out_tokens: int | None
 
 
 class TokenLimitError(InferCtxError, IndexError):
     """Advancing the token counter would pass ``max_token_length``."""
 
     _fields = ("current", "requested", "limit")
+    current: int | None
+    requested: int | None
+    limit: int | None
 
 
 class WorkspaceStateError(InferCtxError, RuntimeError):
@@ -71,12 +100,17 @@ class WorkspaceInUseError(WorkspaceStateError):
     """The workspace cannot be released: ``views_alive`` exported views still use it."""
 
     _fields = ("views_alive",)
+    views_alive: int | None
 
 
 class CudaError(InferCtxError, RuntimeError):
     """A CUDA runtime call failed: ``call``, ``code``, ``name`` and ``device`` say which."""
 
     _fields = ("call", "code", "name", "device")
+    call: str | None
+    code: int | None
+    name: str | None
+    device: int | None
 
 
 class CublasError(CudaError):

@@ -86,7 +86,7 @@ TEST_CASE("exact policy, bound by max_out_tokens") {
   CHECK_EQ(p.max_tokens, 16);
   CHECK_EQ(p.workspace_bytes, 100352);
   CHECK(p.bound_by == "max_out_tokens");
-  CHECK_EQ(p.regions.size(), size_t{6});
+  CHECK_EQ(region_count(p), 6);
   CHECK_EQ(p.budget_bytes, 80 * kGiB - 500 * kMiB);
 }
 
@@ -102,14 +102,20 @@ TEST_CASE("exact policy, bound by memory, aligned regions") {
   CHECK_EQ(p.workspace_bytes, 44032);
   CHECK(p.bound_by == "memory");
   CHECK(p.budget_limit == "memory_limit");
-  CHECK_EQ(p.regions[0].offset, 0);
-  CHECK_EQ(p.regions[0].size, 35840);
-  CHECK_EQ(p.regions[1].offset, 35840);  // layer 0 K
-  CHECK_EQ(p.regions[2].offset, 37632);  // layer 0 V
-  CHECK_EQ(p.regions[3].offset, 39424);  // layer 1 K
-  CHECK_EQ(p.regions[4].offset, 41216);  // layer 1 V
-  CHECK_EQ(p.regions[5].offset, 43008);  // scores: 896 B rounded to 1024
-  CHECK_EQ(p.regions[5].size, 1024);
+  CHECK_EQ(region_at(p, 0).offset, 0);
+  CHECK_EQ(region_at(p, 0).size, 35840);
+  CHECK_EQ(region_at(p, 1).offset, 35840);  // layer 0 K
+  CHECK(region_at(p, 1).name == "kv_cache[0].key");
+  CHECK_EQ(region_at(p, 2).offset, 37632);  // layer 0 V
+  CHECK(region_at(p, 2).name == "kv_cache[0].value");
+  CHECK_EQ(region_at(p, 3).offset, 39424);  // layer 1 K
+  CHECK_EQ(region_at(p, 4).offset, 41216);  // layer 1 V
+  CHECK_EQ(region_at(p, 4).size, 1792);     // 7 tokens x 2 KV heads x 64 x 2 B
+  CHECK_EQ(region_at(p, 5).offset, 43008);  // scores: 896 B rounded to 1024
+  CHECK_EQ(region_at(p, 5).size, 1024);
+  CHECK(region_at(p, 5).name == "attention_scores");
+  CHECK_THROWS(ConfigError, region_at(p, 6));
+  CHECK_THROWS(ConfigError, region_at(p, -1));
 }
 
 TEST_CASE("exact policy, memory_fraction of free memory") {
@@ -262,8 +268,183 @@ TEST_CASE("invalid requests throw ConfigError naming the argument") {
   r = small_exact(); r.has_memory_fraction = true; r.memory_fraction = 1.5; CHECK(arg_of(r) == "memory_fraction");
   r = small_exact(); r.has_memory_limit = true; r.memory_limit_bytes = 0; CHECK(arg_of(r) == "memory_limit_bytes");
   r = small_exact(); r.allocation_granularity = -1; CHECK(arg_of(r) == "allocation_granularity");
+  r = small_exact(); r.shape.head_dim = -1; CHECK(arg_of(r) == "head_dim");
+  r = small_exact(); r.weights_bytes = -1; CHECK(arg_of(r) == "weights_bytes");
+  // 64-bit overflows name the argument that overflows: 2^40 x 2^40 sequences-tokens.
   r = small_exact(); r.batch_size = int64_t{1} << 40; r.max_out_tokens = int64_t{1} << 40;
-  CHECK(arg_of(r) == "batch_size");  // 64-bit overflow
+  CHECK(arg_of(r) == "batch_size");  // either alone at 1 fits; a tie names batch_size
+  r = small_exact(); r.batch_size = int64_t{1} << 60;
+  CHECK(arg_of(r) == "batch_size");       // 10*4*64 elements x 2^60
+  r = small_exact(); r.shape.num_layers = int64_t{1} << 60;
+  CHECK(arg_of(r) == "num_layers");       // 2^60 layers x 2 x 256 B
+  r = small_exact(); r.shape.num_heads = int64_t{1} << 58; r.shape.num_kv_heads = 1; r.shape.head_dim = 64;
+  CHECK(arg_of(r) == "num_heads");        // 10 x 2^58 x 64 elements
+  r = small_exact(); r.shape.head_dim = int64_t{1} << 60;
+  CHECK(arg_of(r) == "head_dim");
+  r = small_exact(); r.min_out_tokens = 16;
+  r.max_out_tokens = 16; r.batch_size = int64_t{1} << 50;
+  CHECK(arg_of(r) == "batch_size");
+}
+
+TEST_CASE("overflow messages name the argument and its value") {
+  PlanRequest r = small_exact();
+  r.shape.num_layers = int64_t{1} << 60;
+  try {
+    plan_workspace(r);
+    CHECK(false);
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    CHECK(m.find("num_layers=1152921504606846976 makes the workspace byte count overflow 64 bits") != std::string::npos);
+    CHECK(m.find("reduce num_layers") != std::string::npos);
+  }
+}
+
+TEST_CASE("head_dim: heads x head_dim may differ from hidden; hidden not divisible needs head_dim") {
+  // Gemma-7B: hidden 3072, 16 heads of 256, 28 layers. Per token and sequence: activations
+  // 10 x 16 x 256 = 40960 elements; one K: 16 x 256 = 4096 elements.
+  PlanRequest r = small_exact();
+  r.shape = {28, 16, 3072, 16, 256};
+  r.max_out_tokens = 16;
+  WorkspacePlan p = plan_workspace(r);
+  CHECK_EQ(p.head_dim, 256);
+  CHECK_EQ(p.head_dim_padded, 256);
+  CHECK_EQ(p.activations_bytes, 40960 * 16 * 2);
+  CHECK_EQ(p.kv_tensor_bytes, 4096 * 16 * 2);
+  // Without head_dim 3072 / 16 = 192 is whole, and is what the deepspeed policy uses anyway.
+  r.policy = static_cast<int>(Policy::DeepSpeed);
+  WorkspacePlan ds = plan_workspace(r);
+  CHECK_EQ(ds.head_dim, 192);
+  CHECK_EQ(ds.kv_tensor_bytes, 16 * 192 * 16 * 2);
+  // 4100 / 32 is not whole: refused without head_dim, accepted with it.
+  PlanRequest odd = small_exact();
+  odd.shape = {2, 32, 4100, 0, 0};
+  CHECK_THROWS(ConfigError, plan_workspace(odd));
+  odd.shape.head_dim = 128;
+  CHECK_EQ(plan_workspace(odd).head_dim, 128);
+}
+
+TEST_CASE("weights: the budget is cut from free - weights, under both policies") {
+  PlanRequest r = small_exact();
+  r.free_bytes = 10 * kGiB;
+  r.weights_bytes = 4 * kGiB;
+  WorkspacePlan p = plan_workspace(r);
+  CHECK_EQ(p.planned_free_bytes, 6 * kGiB);
+  CHECK_EQ(p.budget_bytes, 6 * kGiB - 500 * kMiB);
+  r.policy = static_cast<int>(Policy::DeepSpeed);
+  // DeepSpeed's minimum: temp 4 x 16 = 64 elements + 500 MiB.
+  CHECK_EQ(plan_workspace(r).budget_bytes, 6 * kGiB - 500 * kMiB - 64);
+  // Weights above free memory: an OOM that says so.
+  r = small_exact();
+  r.free_bytes = kGiB;
+  r.weights_bytes = 2 * kGiB;
+  try {
+    plan_workspace(r);
+    CHECK(false);
+  } catch (const WorkspaceOOMError& e) {
+    const std::string m = e.what();
+    CHECK(m.find("the weights (2.00 GiB) exceed free memory 1.00 GiB") != std::string::npos);
+    CHECK_EQ(e.max_batch_size, -1);
+    CHECK_EQ(e.budget_bytes, 0);
+  }
+}
+
+TEST_CASE("default reserve: 100 MiB up to 1 GiB, a ramp, then 500 MiB; the budget never falls") {
+  CHECK_EQ(default_reserve(0), 100 * kMiB);
+  CHECK_EQ(default_reserve(kGiB), 100 * kMiB);
+  CHECK_EQ(default_reserve(kGiB + 1), 100 * kMiB + 1);
+  CHECK_EQ(default_reserve(kGiB + 200 * kMiB), 300 * kMiB);
+  CHECK_EQ(default_reserve(kGiB + 400 * kMiB), 500 * kMiB);
+  CHECK_EQ(default_reserve(80 * kGiB), 500 * kMiB);
+  // Llama-2-7B shape, batch 1, fp16: 1 GiB free and 1 GiB + 1 byte give the same tokens
+  // (the step of DeepSpeed's reserve gave 138 and then 78).
+  PlanRequest r = small_exact();
+  r.shape = {32, 32, 4096, 0, 0};
+  r.max_out_tokens = 100000;
+  r.free_bytes = kGiB;
+  r.total_bytes = 2 * kGiB;
+  const int64_t at_1g = plan_workspace(r).max_tokens;
+  r.free_bytes = kGiB + 1;
+  CHECK_EQ(plan_workspace(r).max_tokens, at_1g);
+  int64_t previous = 0;
+  for (int64_t free = 900 * kMiB; free <= 1600 * kMiB; free += 7 * kMiB) {
+    r.free_bytes = free;
+    const int64_t t = plan_workspace(r).max_tokens;
+    CHECK(t >= previous);
+    previous = t;
+  }
+}
+
+TEST_CASE("a reserve at or above free memory is named in the OOM, with a zero budget") {
+  PlanRequest r = small_exact();
+  r.free_bytes = 50 * kMiB;
+  try {
+    plan_workspace(r);
+    CHECK(false);
+  } catch (const WorkspaceOOMError& e) {
+    const std::string m = e.what();
+    CHECK(m.find("is not more than the reserve of 100.00 MiB") != std::string::npos);
+    CHECK_EQ(e.budget_bytes, 0);
+  }
+}
+
+TEST_CASE("memory_fraction 1.0 of 2^63 - 1 free bytes stays 2^63 - 1 (no double-to-int64 wrap)") {
+  PlanRequest r = small_exact();
+  r.free_bytes = INT64_MAX;
+  r.total_bytes = INT64_MAX;
+  r.has_memory_fraction = true;
+  r.memory_fraction = 1.0;
+  WorkspacePlan p = plan_workspace(r);
+  CHECK_EQ(p.budget_bytes, INT64_MAX - 500 * kMiB);
+  CHECK_EQ(p.max_tokens, 16);
+  r.memory_fraction = 0.9999999999999999;  // the product rounds to 2^63 in double
+  p = plan_workspace(r);
+  CHECK(p.budget_bytes > 0);
+  CHECK(p.budget_bytes <= INT64_MAX - 500 * kMiB);
+}
+
+TEST_CASE("max_batch_size and max_out_tokens_for: the largest request that holds every token") {
+  // small_exact, 16 tokens per sequence: 5120 x 16 + 4 x 256 x 16 + 4 x 16 x 16 x 2 = 100352 B,
+  // all 256-aligned, so b sequences need 100352b: 4 GiB / 100352 = 42799 sequences.
+  PlanRequest r = small_exact();
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  r.has_memory_limit = true;
+  r.memory_limit_bytes = 4 * kGiB;
+  CHECK_EQ(max_batch_size(r), 4 * kGiB / 100352);
+  r.batch_size = 42799;
+  CHECK_EQ(plan_workspace(r).max_tokens, 16);
+  r.batch_size = 42800;
+  CHECK(plan_workspace(r).max_tokens < 16);
+  // Batch 1, m tokens with max_out m: 5120m + 1024m + align256(4 x m x m x 2) <= 50000:
+  // m = 8: 40960 + 8192 + 512 = 49664 fits; m = 9: 46080 + 9216 + 768 = 56064 does not.
+  r = small_exact();
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  r.has_memory_limit = true;
+  r.memory_limit_bytes = 50000;
+  CHECK_EQ(max_out_tokens_for(r), 8);
+  r.memory_limit_bytes = 1000;  // not even one token (6144 + 256 B)
+  CHECK_EQ(max_out_tokens_for(r), 0);
+  CHECK_EQ(max_batch_size(r), 0);
+}
+
+TEST_CASE("weights_bytes_for: parameters x element size / mp, rounded up") {
+  CHECK_EQ(weights_bytes_for(6738415616, static_cast<int>(DType::Float16), 1), int64_t{13476831232});
+  CHECK_EQ(weights_bytes_for(6738415616, static_cast<int>(DType::Float32), 1), int64_t{26953662464});
+  CHECK_EQ(weights_bytes_for(7, static_cast<int>(DType::Float16), 4), 4);  // 14 / 4 rounded up
+  CHECK_EQ(weights_bytes_for(0, static_cast<int>(DType::BFloat16), 8), 0);
+  CHECK_THROWS(ConfigError, weights_bytes_for(-1, 1, 1));
+  CHECK_THROWS(ConfigError, weights_bytes_for(INT64_MAX, 1, 1));
+  CHECK_THROWS(ConfigError, weights_bytes_for(1, 1, 0));
+}
+
+TEST_CASE("check_request refuses bad arguments without looking at the memory figures") {
+  PlanRequest r = small_exact();
+  r.free_bytes = -5;  // not checked here
+  r.total_bytes = 0;
+  check_request(r);
+  r.mp_size = 3;
+  CHECK_THROWS(ConfigError, check_request(r));
 }
 
 CHECK_MAIN()

@@ -71,7 +71,7 @@ def test_presets_listing(capsys):
     (["plan", "--preset", "nope", "--gpu", "h200"], "unknown model preset"),
     (["plan", "--preset", "llama-2-7b", "--gpu", "nope"], "unknown GPU preset"),
     (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "x"], "--batch"),
-    (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "0"], "batch_size"),
+    (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "0"], "--batch: got 0"),
     (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--dtype", "int4"], "dtype"),
     (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--policy", "x"], "--policy"),
     (["plan", "--layers", "32", "--gpu", "h200"], "--hidden"),

@@ -142,6 +142,18 @@ BASE = dict(batch_size=1, prompt_len=1, max_out_tokens=128, free_bytes=8 * GIB, 
     (dict(batch_size=True), "batch_size"),
     (dict(external_cache=1), "external_cache"),
     (dict(batch_size=1 << 40, max_out_tokens=1 << 40), "batch_size"),
+    (dict(batch_size=1 << 60), "batch_size"),
+    (dict(batch_size=10**20), "batch_size"),
+    (dict(max_out_tokens=2**63), "max_out_tokens"),
+    (dict(free_bytes=2**64), "free_bytes"),
+    (dict(memory_fraction=2**1024), "memory_fraction"),
+    (dict(memory_fraction=float("inf")), "memory_fraction"),
+    (dict(memory_fraction="0.5"), "memory_fraction"),
+    (dict(weights_bytes=-1), "weights_bytes"),
+    (dict(weights_bytes="all"), "weights_bytes"),
+    (dict(weights_bytes=1.5), "weights_bytes"),
+    (dict(gpu="h200"), "gpu"),               # with free_bytes/total_bytes
+    (dict(device=0), "device"),              # with free_bytes/total_bytes
 ])
 def test_invalid_requests_name_the_argument(override, argument):
     kw = {**BASE, **override}
@@ -164,8 +176,14 @@ def test_invalid_shapes(shape, argument):
     assert info.value.argument == argument
 
 
+def test_hidden_not_divisible_by_heads_needs_head_dim():
+    with pytest.raises(ConfigError) as info:
+        ModelShape(32, 32, 4100)  # 4100 / 32 is not whole
+    assert info.value.argument == "hidden_dim" and "head_dim" in str(info.value)
+    assert ModelShape(32, 32, 4100, head_dim=128).head_dim == 128
+
+
 @pytest.mark.parametrize("shape,argument", [
-    (ModelShape(32, 32, 4100), "hidden_dim"),       # 4100 / 32 is not whole
     (ModelShape(32, 32, 4096, 5), "num_kv_heads"),  # 32 % 5
 ])
 def test_divisibility_errors_come_from_the_planner(shape, argument):
@@ -216,6 +234,9 @@ def test_to_dict_and_str():
     assert d["plan"]["max_tokens"] == 1024 and d["request"]["dtype"] == "float16"
     assert d["request"]["num_kv_heads"] == 8
     assert d["plan"]["regions"][0] == {"name": "activations", "offset": 0, "size": p.activations_bytes}
+    assert [r["name"] for r in d["plan"]["regions"]] == ["activations", "kv_cache", "attention_scores"]
+    assert d["plan"]["regions"][1]["size"] == 32 * 2 * p.kv_tensor_bytes == p.kv_cache_bytes
+    assert d["sources"] == {"memory": "given", "weights": "none"} and d["request"]["weights_bytes"] == 0
     text = str(p)
     assert "max tokens 1024" in text and "bound by max_out_tokens" in text and "kv_cache" in text
 
@@ -236,6 +257,16 @@ def test_memory_figures_come_from_the_device_or_are_required():
         with pytest.raises(NoCudaDeviceError) as info:
             plan_workspace("llama-2-7b", **kw)
         assert "free_bytes" in str(info.value) and "without a GPU" in str(info.value)
+
+
+def test_argument_errors_come_before_the_device_is_read():
+    # No memory figures: the device would be read, but the bad mp_size is reported first.
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, mp_size=3)
+    assert info.value.argument == "mp_size"
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-2-7b", batch_size=10**30, prompt_len=1, max_out_tokens=16)
+    assert info.value.argument == "batch_size" and "2**63" in str(info.value)
 
 
 # --- property: any accepted exact plan is aligned, disjoint, inside, within budget, maximal --

@@ -3,7 +3,6 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 namespace inferctx {
 
@@ -19,6 +18,9 @@ struct ModelShape {
   int64_t num_heads = 0;
   int64_t hidden_dim = 0;
   int64_t num_kv_heads = 0;  // 0 means num_heads
+  // Size of one attention head; 0 means hidden_dim / num_heads, which must then be whole.
+  // Models such as Gemma-7B (hidden 3072, 16 heads of 256) need it given.
+  int64_t head_dim = 0;
 };
 
 struct PlanRequest {
@@ -34,8 +36,11 @@ struct PlanRequest {
   int policy = static_cast<int>(Policy::Exact);
   int64_t free_bytes = 0;
   int64_t total_bytes = 0;
+  // Bytes of model weights still to be loaded on this device: the plan is cut from
+  // free_bytes - weights_bytes. 0 when free_bytes is read after the weights are in memory.
+  int64_t weights_bytes = 0;
   // Budget knobs of the exact policy; each applies only when its has_ flag is set.
-  bool has_reserve = false;       // default: 500 MiB, or 100 MiB when free <= 1 GiB
+  bool has_reserve = false;       // default: default_reserve(free_bytes - weights_bytes)
   int64_t reserve_bytes = 0;
   bool has_memory_limit = false;
   int64_t memory_limit_bytes = 0;
@@ -56,13 +61,14 @@ struct Region {
 struct WorkspacePlan {
   PlanRequest request;
   int64_t elem_size = 0;
-  int64_t head_dim = 0;        // hidden / heads
+  int64_t head_dim = 0;        // the shape's head size (hidden / heads under the deepspeed policy)
   int64_t head_dim_padded = 0; // 32/64/128 when <= 128, else head_dim
   int64_t heads_per_rank = 0;
   int64_t kv_heads_per_rank = 0;  // num_heads / mp under the deepspeed policy
   int64_t max_tokens = 0;
   int64_t workspace_bytes = 0;
-  int64_t budget_bytes = 0;
+  int64_t planned_free_bytes = 0;  // free_bytes - weights_bytes: the memory the budget is cut from
+  int64_t budget_bytes = 0;        // >= 0
   int64_t reserve_bytes = 0;
   std::string budget_limit;  // "reserve", "memory_limit" or "memory_fraction"
   std::string bound_by;      // "max_out_tokens" or "memory"
@@ -72,7 +78,6 @@ struct WorkspacePlan {
   int64_t kv_value_offset = 0;  // bytes from a layer's K to its V
   int64_t kv_tensor_bytes = 0;  // bytes of one K (or V) tensor
   int64_t attention_scores_offset = 0, attention_scores_bytes = 0;
-  std::vector<Region> regions;
 };
 
 inline constexpr int64_t kRegionAlignment = 256;
@@ -81,7 +86,36 @@ inline constexpr int64_t kGiB = int64_t{1} << 30;
 
 // Validates the request (ConfigError naming the argument) and plans it; a request that
 // cannot fit throws WorkspaceOOMError with the largest batch and max_out_tokens that would.
+// Under the exact policy max_tokens never falls when free_bytes, memory_limit_bytes or
+// memory_fraction grow, and never rises when batch_size or weights_bytes grow.
 WorkspacePlan plan_workspace(const PlanRequest& request);
+
+// Every check of plan_workspace that does not involve the memory figures (free_bytes,
+// total_bytes, weights_bytes): lets a caller refuse bad arguments before reading a device.
+void check_request(const PlanRequest& request);
+
+// The exact policy's default reserve for `free` bytes (after the weights): 100 MiB up to
+// 1 GiB, 500 MiB from 1 GiB + 400 MiB, and free - 924 MiB between, so that the budget
+// (free - reserve) never falls as free memory grows. DeepSpeed steps from 100 to 500 MiB.
+int64_t default_reserve(int64_t free);
+
+// Regions in address order: activations, layer l's K then V for every layer (none with an
+// external cache), attention scores. Computed from the plan's layout, so a plan holds no
+// per-layer storage. region_at throws ConfigError("index") outside [0, region_count).
+int64_t region_count(const WorkspacePlan& plan);
+Region region_at(const WorkspacePlan& plan, int64_t index);
+
+// The largest batch_size for which the request holds every one of its max_out_tokens (the
+// request's batch_size is ignored); 0 when not even batch 1 does.
+int64_t max_batch_size(const PlanRequest& request);
+
+// The largest max_out_tokens whose plan holds all of them for the request's batch_size (the
+// request's max_out_tokens is ignored); 0 when none >= max(prompt_len, min_out_tokens) does.
+int64_t max_out_tokens_for(const PlanRequest& request);
+
+// Bytes of `num_params` parameters in `dtype` on one of `mp_size` ranks (an even split,
+// rounded up); ConfigError naming the argument when one is out of range or it overflows.
+int64_t weights_bytes_for(int64_t num_params, int dtype, int64_t mp_size);
 
 // Binary units with two decimals: "1.50 GiB", "640.00 MiB", else "123 B"; a negative count
 // (a budget below zero) keeps its sign: "-400.00 MiB".
