@@ -81,6 +81,7 @@ cdef dict _fields_of(const PlanRequest& r):
         "num_heads": r.shape.num_heads,
         "hidden_dim": r.shape.hidden_dim,
         "num_kv_heads": r.shape.num_kv_heads,
+        "head_dim": r.shape.head_dim,
         "batch_size": r.batch_size,
         "prompt_len": r.prompt_len,
         "max_out_tokens": r.max_out_tokens,
@@ -92,6 +93,7 @@ cdef dict _fields_of(const PlanRequest& r):
         "policy": r.policy,
         "free_bytes": r.free_bytes,
         "total_bytes": r.total_bytes,
+        "weights_bytes": r.weights_bytes,
         "reserve_bytes": r.reserve_bytes if r.has_reserve else None,
         "memory_limit_bytes": r.memory_limit_bytes if r.has_memory_limit else None,
         "memory_fraction": r.memory_fraction if r.has_memory_fraction else None,
@@ -185,7 +187,10 @@ cdef class InferenceContext:
                 and p.request.total_bytes == old.total_bytes):
             return old  # the plan is a function of the request and the memory figures
         from inferctx import context, planning
-        plan = planning.WorkspacePlan._from_result(_fields_of(p.request), plan_to_dict(p))
+        # Free memory is read now, with the weights already loaded: none are subtracted again.
+        plan = planning.WorkspacePlan._from_result(
+            _fields_of(p.request), plan_to_dict(p),
+            {"memory": f"cuda:{self.device}, read now by gen_workspace", "weights": "none"})
         self._set_layout(p, plan)
         self._plan_args = self._last_args
         logged = (args, p.max_tokens, p.workspace_bytes)

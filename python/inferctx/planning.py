@@ -285,12 +285,11 @@ class WorkspacePlan:
 
     def __init__(self, fields: dict[str, Any], result: dict[str, Any], notes: dict[str, str] | None = None) -> None:
         self._fields = dict(fields)
-        self._fields.setdefault("weights_bytes", 0)
         self._result = dict(result)
         self._notes = dict(notes or {})
         self.shape = ModelShape(fields["num_layers"], fields["num_heads"], fields["hidden_dim"],
                                 fields["num_kv_heads"] or fields["num_heads"],
-                                head_dim=fields.get("head_dim") or None)
+                                head_dim=fields["head_dim"] or None)
         self.regions = Regions(self._result, self.shape.num_layers)
 
     @classmethod
