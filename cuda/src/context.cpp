@@ -1,6 +1,7 @@
 #include "inferctx/context.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <string>
 
@@ -24,6 +25,20 @@ std::shared_ptr<DeviceAllocation> allocate_or_null(int device, int64_t bytes) {
 
 std::string describe_plan(const WorkspacePlan& plan) {
   return std::to_string(plan.max_tokens) + " tokens, " + human_bytes(plan.workspace_bytes);
+}
+
+// Why the cudaMalloc fallback is taken on `device`, or "" for CUDA virtual memory. The variable
+// is read once, when the context is made: the choice holds for the context's lifetime.
+std::string fallback_reason_of(int device) {
+  const char* off = std::getenv("INFERCTX_DISABLE_VMM");
+  if (off != nullptr && *off != '\0' && std::string(off) != "0") {
+    return std::string("INFERCTX_DISABLE_VMM=") + off + " is set in the environment";
+  }
+  try {
+    return virtual_memory_unsupported_reason(device);
+  } catch (const CudaError& e) {
+    return std::string("asking the driver for virtual memory management failed: ") + e.what();
+  }
 }
 
 struct Registry {
@@ -64,6 +79,9 @@ InferenceContext::InferenceContext(int device) : device_(device) {
   comp_done_ = std::make_unique<Event>(device);
   comm_done_ = std::make_unique<Event>(device);
   cublas_->set_stream(compute_);
+  fallback_reason_ = fallback_reason_of(device);
+  vmm_ = fallback_reason_.empty();
+  if (vmm_) granularity_ = virtual_memory_granularity(device);
 }
 
 InferenceContext::~InferenceContext() {
@@ -79,21 +97,109 @@ int64_t InferenceContext::views_alive_locked() const {
   return workspace_ ? static_cast<int64_t>(workspace_.use_count()) - 1 : 0;
 }
 
+void InferenceContext::commit_plan_locked(const WorkspacePlan& next) {
+  plan_ = next;
+  has_plan_ = true;
+  token_limit_.store(next.max_tokens, std::memory_order_relaxed);
+}
+
+void InferenceContext::set_released_range(bool released) noexcept {
+  const bool mark = released && virtual_ != nullptr;
+  const auto begin = mark ? reinterpret_cast<uintptr_t>(virtual_->data()) : uintptr_t{0};
+  const auto end = mark ? begin + static_cast<uintptr_t>(virtual_->capacity()) : uintptr_t{0};
+  // A reader may see a stale pair for a moment; it only decides whether to refuse a launch.
+  released_begin_.store(begin, std::memory_order_release);
+  released_end_.store(end, std::memory_order_release);
+}
+
+bool InferenceContext::in_released_range(const void* p, int64_t bytes) const noexcept {
+  const uintptr_t begin = released_begin_.load(std::memory_order_acquire);
+  const uintptr_t end = released_end_.load(std::memory_order_acquire);
+  if (begin == end) return false;
+  const auto x = reinterpret_cast<uintptr_t>(p);
+  const auto n = static_cast<uintptr_t>(bytes > 0 ? bytes : 1);
+  return x < end && x + n > begin;
+}
+
 WorkspacePlan InferenceContext::gen_workspace(const PlanRequest& request) {
   std::lock_guard<std::mutex> lock(mutex_);
   CurrentDeviceScope on(device_);
 
   size_t free_now = 0, total = 0;
   INFERCTX_CUDA(cudaMemGetInfo(&free_now, &total), device_);
-  const int64_t views = views_alive_locked();
-  // Our own workspace is memory the new one may take over, but only if nothing else uses it.
-  const bool can_free_old = workspace_ && views == 0;
   PlanRequest measured = request;
   measured.total_bytes = static_cast<int64_t>(total);
   measured.free_bytes = static_cast<int64_t>(free_now);
+  if (vmm_) {
+    measured.allocation_granularity = granularity_;
+    // Mapped memory is kept and grown in place, so all of it is the new plan's, views or not.
+    if (virtual_ != nullptr && !released_) {
+      measured.free_bytes = std::min(measured.total_bytes, measured.free_bytes + virtual_->size());
+    }
+    return gen_workspace_virtual(measured);
+  }
+  const int64_t views = views_alive_locked();
+  // Our own workspace is memory the new one may take over, but only if nothing else uses it.
+  const bool can_free_old = workspace_ && views == 0;
   if (can_free_old) measured.free_bytes = std::min(measured.total_bytes, measured.free_bytes + workspace_->size());
+  return gen_workspace_malloc(measured, views, can_free_old);
+}
 
+WorkspacePlan InferenceContext::gen_workspace_virtual(const PlanRequest& measured) {
   WorkspacePlan next = plan_workspace(measured);  // throws before anything changes
+  const int64_t need = next.workspace_bytes;      // whole granules under the exact policy
+  int64_t mapping = need;
+  std::string state;
+  bool ok = true;
+  if (virtual_ == nullptr) {
+    // Addresses for as much as the device holds: the workspace never has to move to grow.
+    auto range = std::make_shared<VirtualAllocation>(device_, measured.total_bytes);
+    ok = range->map(need, nullptr, 0, nullptr);
+    if (ok) {
+      workspace_ = range;
+      virtual_ = range.get();
+      released_ = false;
+    }
+    state = "no workspace was planned before";
+  } else if (!released_) {
+    mapping = virtual_->round_up(need) - virtual_->size();
+    if (mapping > 0) ok = virtual_->grow(need);
+    state = "the previous plan (" + describe_plan(plan_) +
+            ") and its workspace stay in force, at the same addresses with the same contents";
+  } else {
+    // A released workspace whose views are alive, or whose contents were kept, comes back whole
+    // (as retake_workspace would) before it grows; otherwise nothing can see its old bytes.
+    const int64_t extent = virtual_->size();
+    const bool whole = views_alive_locked() > 0 || contents_kept_;
+    mapping = whole ? std::max(need, extent) : need;
+    ok = virtual_->map(mapping, contents_kept_ ? host_copy_->data() : nullptr, contents_kept_ ? extent : 0,
+                       own_stream_.handle());
+    if (ok) {
+      released_ = false;
+      contents_kept_ = false;
+      set_released_range(false);
+    }
+    state = "the previous plan (" + describe_plan(plan_) + ") stays in force, its workspace still released" +
+            (contents_kept_ ? " with its contents in host memory" : "");
+  }
+  if (!ok) {
+    throw WorkspaceOOMError(
+        "gen_workspace: mapping " + human_bytes(mapping) + " of device memory for the planned workspace (" +
+            std::to_string(next.max_tokens) + " tokens, " + human_bytes(need) + ") failed on device " +
+            std::to_string(device_) + " although it was within the budget of " + human_bytes(next.budget_bytes) +
+            " (" + next.budget_limit + ", free " + human_bytes(measured.free_bytes) + " of " +
+            human_bytes(measured.total_bytes) + "): other allocations took memory meanwhile; " + state +
+            ". Ask for less: a larger reserve_bytes, a lower memory_fraction (of free memory) or "
+            "memory_limit_bytes, or a smaller batch_size / max_out_tokens",
+        mapping, measured.free_bytes, measured.total_bytes, next.budget_bytes, -1, -1);
+  }
+  commit_plan_locked(next);
+  return next;
+}
+
+WorkspacePlan InferenceContext::gen_workspace_malloc(const PlanRequest& measured, int64_t views, bool can_free_old) {
+  WorkspacePlan next = plan_workspace(measured);  // throws before anything changes
+  const bool was_released = released_;
 
   if (!(workspace_ && workspace_->size() >= next.workspace_bytes)) {
     // Old and new side by side first: a failed regrow must not cost the KV cache.
@@ -138,7 +244,8 @@ WorkspacePlan InferenceContext::gen_workspace(const PlanRequest& request) {
                 "be freed to make room because " + std::to_string(views) +
                 " view(s) of it are alive (drop them, or release_workspace(force=True), and retry)";
       } else {
-        state = "the previous plan (" + describe_plan(plan_) + ") stays in force, its workspace still released";
+        state = "the previous plan (" + describe_plan(plan_) + ") stays in force, its workspace still released" +
+                (contents_kept_ ? " with its contents in host memory" : "");
       }
       throw WorkspaceOOMError(
           "gen_workspace: cudaMalloc of " + human_bytes(next.workspace_bytes) + " for the planned workspace (" +
@@ -153,10 +260,15 @@ WorkspacePlan InferenceContext::gen_workspace(const PlanRequest& request) {
     // With views alive the old allocation is detached here and lives on in them.
     workspace_ = std::move(fresh);
   }
+  if (was_released && contents_kept_) {
+    // Kept contents come back into the new allocation, as far as it reaches.
+    const int64_t n = std::min(workspace_->size(), host_copy_->size());
+    copy_async(workspace_->data(), host_copy_->data(), n, own_stream_.handle(), device_);
+    own_stream_.synchronize();
+  }
+  contents_kept_ = false;
   released_ = false;
-  plan_ = next;
-  has_plan_ = true;
-  token_limit_.store(next.max_tokens, std::memory_order_relaxed);
+  commit_plan_locked(next);
   return next;
 }
 
@@ -174,7 +286,7 @@ WorkspacePlan InferenceContext::plan() const {
 std::shared_ptr<DeviceAllocation> InferenceContext::workspace() const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!has_plan_) throw WorkspaceStateError("no workspace: call gen_workspace first");
-  if (!workspace_) {
+  if (released_ || !workspace_) {
     throw WorkspaceStateError("workspace released: call retake_workspace (the plan of " + describe_plan(plan_) +
                               " is kept)");
   }
@@ -198,31 +310,110 @@ int64_t InferenceContext::views_alive() const {
   return views_alive_locked();
 }
 
-void InferenceContext::release_workspace(bool force) {
+int64_t InferenceContext::held_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!workspace_) return;
-  const int64_t views = views_alive_locked();
-  if (views > 0 && !force) {
-    throw WorkspaceInUseError("release_workspace: " + std::to_string(views) +
-                                  " view(s) of the workspace are still alive (views, DLPack capsules or arrays "
-                                  "made from them); drop them first, or pass force=True to detach the workspace: "
-                                  "its memory is then freed when the last view dies",
-                              views);
+  return workspace_ && !released_ ? workspace_->size() : 0;
+}
+
+int64_t InferenceContext::host_copy_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return host_copy_ ? host_copy_->size() : 0;
+}
+
+void InferenceContext::release_workspace(bool force, bool keep_contents) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!workspace_ || released_) return;
+  CurrentDeviceScope on(device_);
+  if (!vmm_) {
+    const int64_t views = views_alive_locked();
+    if (views > 0 && !force) {
+      throw WorkspaceInUseError("release_workspace: " + std::to_string(views) +
+                                    " view(s) of the workspace are still alive (views, DLPack capsules or arrays "
+                                    "made from them) and this device keeps no addresses across a release (" +
+                                    fallback_reason_ +
+                                    "); drop them first, or pass force=True to detach the workspace: its memory "
+                                    "is then freed when the last view dies",
+                                views);
+    }
   }
-  // Freed now when no view holds it (cudaFree waits for queued work), else by the last view.
-  workspace_.reset();
+  // Any stream may still be using the workspace (the caller's, a side stream, a graph replay):
+  // everything queued on the device so far runs first, as cudaFree would wait for it.
+  INFERCTX_CUDA(cudaDeviceSynchronize(), device_);
+  if (keep_contents) {
+    if (!host_copy_ || host_copy_->size() < workspace_->size()) {
+      host_copy_.reset();  // not both at once: the old one may be most of the host's memory
+      host_copy_ = std::make_unique<PinnedAllocation>(workspace_->size());
+    }
+  } else {
+    host_copy_.reset();
+  }
+  if (vmm_) {
+    try {
+      // The copies are queued before anything is unmapped; each chunk goes once its copy is done.
+      virtual_->unmap(keep_contents ? host_copy_->data() : nullptr, own_stream_.handle());
+    } catch (...) {
+      // The memory is unmapped (or going) whatever failed; its contents are not to be trusted.
+      released_ = true;
+      contents_kept_ = false;
+      set_released_range(true);
+      throw;
+    }
+    set_released_range(true);
+  } else {
+    if (keep_contents) {
+      copy_async(host_copy_->data(), workspace_->data(), workspace_->size(), own_stream_.handle(), device_);
+      own_stream_.synchronize();
+    }
+    // Freed now when no view holds it, else by the last view.
+    workspace_.reset();
+  }
   released_ = true;
+  contents_kept_ = keep_contents;
 }
 
 bool InferenceContext::retake_workspace() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!has_plan_) throw WorkspaceStateError("retake_workspace: no workspace plan to retake: call gen_workspace first");
-  if (workspace_) return true;
-  std::shared_ptr<DeviceAllocation> fresh = allocate_or_null(device_, plan_.workspace_bytes);
-  if (!fresh) return false;
-  workspace_ = std::move(fresh);
-  released_ = false;
+  retake_locked("retake_workspace");
   return true;
+}
+
+void InferenceContext::retake_locked(const char* where) {
+  if (!released_) return;
+  CurrentDeviceScope on(device_);
+  const void* restore = contents_kept_ ? host_copy_->data() : nullptr;
+  int64_t bytes = plan_.workspace_bytes;
+  bool ok = false;
+  if (vmm_) {
+    // The same bytes at the same addresses as before the release, so every view of them is valid.
+    bytes = virtual_->size();
+    ok = virtual_->map(bytes, restore, contents_kept_ ? bytes : 0, own_stream_.handle());
+  } else {
+    std::shared_ptr<DeviceAllocation> fresh = allocate_or_null(device_, bytes);
+    if (fresh && restore != nullptr) {
+      copy_async(fresh->data(), restore, std::min(fresh->size(), host_copy_->size()), own_stream_.handle(), device_);
+      own_stream_.synchronize();
+    }
+    ok = fresh != nullptr;
+    if (ok) workspace_ = std::move(fresh);
+  }
+  if (!ok) {
+    size_t free_now = 0, total = 0;
+    INFERCTX_CUDA(cudaMemGetInfo(&free_now, &total), device_);
+    throw WorkspaceOOMError(
+        std::string(where) + ": " + (vmm_ ? "mapping " : "cudaMalloc of ") + human_bytes(bytes) +
+            " of device memory for the workspace (" + describe_plan(plan_) + ") failed on device " +
+            std::to_string(device_) + ": out of memory, " + human_bytes(static_cast<int64_t>(free_now)) +
+            " free of " + human_bytes(static_cast<int64_t>(total)) +
+            ". The context stays released with its plan" +
+            (contents_kept_ ? " and the workspace's contents in host memory" : "") +
+            "; free device memory (for torch: drop tensors, then torch.cuda.empty_cache()) and call "
+            "retake_workspace again",
+        bytes, static_cast<int64_t>(free_now), static_cast<int64_t>(total), plan_.budget_bytes, -1, -1);
+  }
+  released_ = false;
+  contents_kept_ = false;
+  set_released_range(false);
 }
 
 void InferenceContext::advance_tokens(int64_t n) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "inferctx/blas.hpp"
@@ -16,6 +17,7 @@
 #include "inferctx/philox.hpp"
 #include "inferctx/plan.hpp"
 #include "inferctx/stream.hpp"
+#include "inferctx/vmm.hpp"
 
 namespace inferctx {
 
@@ -34,12 +36,30 @@ class InferenceContext {
   int multiprocessor_count() const noexcept { return sm_count_; }
   int compute_capability() const noexcept { return cc_major_ * 10 + cc_minor_; }
 
+  // The workspace lives at addresses that survive release_workspace when the device supports
+  // CUDA virtual memory management (addresses_stable()): an address range as large as the
+  // device's memory is reserved at the first gen_workspace and the workspace is mapped at its
+  // start, in whole granules (allocation_granularity(), counted in the exact policy's bytes).
+  // Otherwise, or with INFERCTX_DISABLE_VMM=1 in the environment when the context is created,
+  // it is a cudaMalloc allocation (the behaviour of DeepSpeed's context), whose address changes
+  // at every retake.
+  bool addresses_stable() const noexcept { return vmm_; }
+  // Why the cudaMalloc fallback is in force ("" when addresses are stable).
+  const std::string& fallback_reason() const noexcept { return fallback_reason_; }
+  int64_t allocation_granularity() const noexcept { return granularity_; }  // 0 under the fallback
+
   // Plans `request` against free memory read now (request.free_bytes/total_bytes are
-  // replaced by the measurement; memory this context's workspace holds counts as free when
-  // nothing else uses it) and makes the allocation fit: reused when it is large enough,
-  // otherwise a new one is allocated before the old is freed; when both cannot coexist and
-  // no views are alive the old one is freed first, and on failure an allocation of the
-  // previous plan is restored. On any failure the previous plan stays in force.
+  // replaced by the measurement) and makes the workspace fit it. On any failure the previous
+  // plan stays in force with its workspace (same addresses, same contents).
+  //  - Stable addresses: memory already mapped counts as free (views or not); the mapping is
+  //    kept when it is large enough and otherwise grown in place, so the workspace keeps its
+  //    address and every view of it stays valid. A released workspace is taken back first as
+  //    retake_workspace would when views of it are alive or its contents were kept; otherwise
+  //    only the new plan's bytes are mapped.
+  //  - cudaMalloc: the allocation is reused when it is large enough, otherwise a new one is
+  //    allocated before the old is freed; when both cannot coexist and no views are alive the old
+  //    one is freed first, and on failure an allocation of the previous plan is restored. With
+  //    views alive the old allocation is detached and lives on in them.
   WorkspacePlan gen_workspace(const PlanRequest& request);
 
   bool has_plan() const;
@@ -50,14 +70,34 @@ class InferenceContext {
   bool released() const;
   // Other owners of the workspace allocation (views exported from it).
   int64_t views_alive() const;
+  // Device memory the workspace holds now (at least workspace_bytes() while held; 0 released).
+  int64_t held_bytes() const;
+  // Page-locked host memory kept for release_workspace(keep_contents=true) (0 when none).
+  int64_t host_copy_bytes() const;
+  // True when [p, p + bytes) overlaps a released workspace's addresses: work there would touch
+  // unmapped memory. Lock-free, for the checks on every kernel operand.
+  bool in_released_range(const void* p, int64_t bytes) const noexcept;
 
-  // Frees the workspace, keeping the plan. With views alive: WorkspaceInUseError, or with
-  // `force` the context forgets the allocation and the last view frees it. Does nothing when
-  // no workspace is held (none planned yet, or already released).
-  void release_workspace(bool force);
-  // Re-allocates the released workspace for the kept plan; true when the context holds a
-  // workspace afterwards, false when the allocation failed (out of memory). Other CUDA errors
-  // throw; WorkspaceStateError when nothing was ever planned.
+  // Gives the workspace's device memory back, keeping the plan. First waits for all work queued
+  // on the device (cudaDeviceSynchronize, as cudaFree does): any stream, the caller's or a graph,
+  // may still be using the workspace. With `keep_contents` its bytes are copied to page-locked
+  // host memory first (stream-ordered; the host memory is kept for the next such release until a
+  // release without keep_contents) and the next retake_workspace copies them back.
+  //  - Stable addresses: the physical memory is unmapped and returned; the address range stays
+  //    reserved. Views stay alive and valid for after the retake; until then nothing may touch
+  //    the range (an illegal memory access), and the Python layer refuses new exports and kernel
+  //    launches on it. `force` changes nothing.
+  //  - cudaMalloc: with views alive, WorkspaceInUseError, or with `force` the context forgets the
+  //    allocation and the last view frees it.
+  // Does nothing when no workspace is held (none planned yet, or already released).
+  void release_workspace(bool force, bool keep_contents = false);
+  // Takes the released workspace back for the kept plan: the same addresses and bytes under
+  // stable addresses (a new allocation of the plan's bytes under cudaMalloc), with the contents
+  // copied back when they were kept (complete when this returns). WorkspaceOOMError when the
+  // memory cannot be had: the context then stays released and consistent (plan kept, contents
+  // still in host memory), and a later call may succeed. WorkspaceStateError when nothing was
+  // ever planned; nothing to do when the workspace is held. Returns true (callers written for the
+  // earlier false-when-out-of-memory contract keep working).
   bool retake_workspace();
 
   // Generated-token counter (DeepSpeed's current_tokens / advance_tokens / reset_tokens).
@@ -108,8 +148,16 @@ class InferenceContext {
   std::unique_ptr<Event> comp_done_, comm_done_;
   bool has_plan_ = false;
   WorkspacePlan plan_;
-  std::shared_ptr<DeviceAllocation> workspace_;
+  std::shared_ptr<DeviceAllocation> workspace_;  // under stable addresses: virtual_, also released
+  VirtualAllocation* virtual_ = nullptr;         // workspace_ as the VMM range, when there is one
   bool released_ = false;
+  bool vmm_ = false;
+  std::string fallback_reason_;
+  int64_t granularity_ = 0;
+  std::unique_ptr<PinnedAllocation> host_copy_;
+  bool contents_kept_ = false;  // host_copy_ holds the released workspace's bytes
+  // The reserved range while the workspace is released under stable addresses, else [0, 0).
+  std::atomic<uintptr_t> released_begin_{0}, released_end_{0};
   std::atomic<int64_t> tokens_{0};
   // The plan's max_tokens, readable without the mutex by the token counter.
   std::atomic<int64_t> token_limit_{0};
@@ -117,6 +165,11 @@ class InferenceContext {
   GraphRng graph_rng_{device_, philox_};  // after philox_, which it numbers sites from
 
   int64_t views_alive_locked() const;
+  WorkspacePlan gen_workspace_virtual(const PlanRequest& measured);
+  WorkspacePlan gen_workspace_malloc(const PlanRequest& measured, int64_t views, bool can_free_old);
+  void retake_locked(const char* where);
+  void set_released_range(bool released) noexcept;
+  void commit_plan_locked(const WorkspacePlan& next);
 };
 
 }  // namespace inferctx

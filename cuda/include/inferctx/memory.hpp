@@ -21,6 +21,9 @@ class DeviceAllocation {
   void* data() const noexcept { return ptr_; }
   int64_t size() const noexcept { return bytes_; }
   int device() const noexcept { return device_; }
+  // False while the range is reserved but has no physical memory behind it (a released
+  // workspace under CUDA virtual memory): touching it then is an illegal memory access.
+  virtual bool accessible() const noexcept { return true; }
 
  protected:
   struct Borrowed {};

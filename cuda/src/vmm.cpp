@@ -1,0 +1,363 @@
+#include "inferctx/vmm.hpp"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "inferctx/cuda_check.hpp"
+#include "inferctx/errors.hpp"
+#include "inferctx/plan.hpp"
+#include "inferctx/stream.hpp"
+
+namespace inferctx {
+
+namespace {
+
+// The ABI asked of the driver: every entry point below has kept its signature since CUDA 10.2
+// (the _v10020 typedefs), and any driver that runs this build's runtime is at least 12.0.
+constexpr unsigned int kDriverApiVersion = 12000;
+
+struct DriverApi {
+  PFN_cuGetErrorName_v6000 get_error_name = nullptr;
+  PFN_cuGetErrorString_v6000 get_error_string = nullptr;
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
+  PFN_cuMemGetAllocationGranularity_v10020 get_granularity = nullptr;
+  PFN_cuMemAddressReserve_v10020 address_reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 address_free = nullptr;
+  PFN_cuMemCreate_v10020 create = nullptr;
+  PFN_cuMemRelease_v10020 release = nullptr;
+  PFN_cuMemMap_v10020 map = nullptr;
+  PFN_cuMemUnmap_v10020 unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 set_access = nullptr;
+  std::string missing;  // the entry points the driver does not have, "" when it has them all
+};
+
+template <class Fn>
+void load(Fn& fn, const char* symbol, std::string& missing) {
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t status =
+      cudaGetDriverEntryPointByVersion(symbol, &address, kDriverApiVersion, cudaEnableDefault, &found);
+  if (status != cudaSuccess) {
+    const std::string call = std::string("cudaGetDriverEntryPointByVersion(\"") + symbol + "\", " +
+                             std::to_string(kDriverApiVersion) + ")";
+    throw_cuda_error(status, call.c_str(), -1);
+  }
+  if (found != cudaDriverEntryPointSuccess || address == nullptr) {
+    if (!missing.empty()) missing += ", ";
+    missing += symbol;
+    missing += found == cudaDriverEntryPointVersionNotSufficent ? " (too old)" : " (not found)";
+    return;
+  }
+  fn = reinterpret_cast<Fn>(address);
+}
+
+DriverApi load_driver_api() {
+  DriverApi api;
+  load(api.get_error_name, "cuGetErrorName", api.missing);
+  load(api.get_error_string, "cuGetErrorString", api.missing);
+  load(api.device_get, "cuDeviceGet", api.missing);
+  load(api.device_get_attribute, "cuDeviceGetAttribute", api.missing);
+  load(api.get_granularity, "cuMemGetAllocationGranularity", api.missing);
+  load(api.address_reserve, "cuMemAddressReserve", api.missing);
+  load(api.address_free, "cuMemAddressFree", api.missing);
+  load(api.create, "cuMemCreate", api.missing);
+  load(api.release, "cuMemRelease", api.missing);
+  load(api.map, "cuMemMap", api.missing);
+  load(api.unmap, "cuMemUnmap", api.missing);
+  load(api.set_access, "cuMemSetAccess", api.missing);
+  return api;
+}
+
+// Loaded on first use; a failure to ask (no driver) throws and is retried by the next caller.
+const DriverApi& driver() {
+  static const DriverApi api = load_driver_api();
+  return api;
+}
+
+// The driver entry points, or WorkspaceStateError when some are missing (callers check
+// virtual_memory_unsupported_reason first; this guards the ones that did not).
+const DriverApi& driver_with_vmm() {
+  const DriverApi& api = driver();
+  if (!api.missing.empty()) {
+    throw WorkspaceStateError("CUDA virtual memory management is unavailable: the driver lacks " + api.missing);
+  }
+  return api;
+}
+
+[[noreturn]] void throw_driver_error(CUresult status, const std::string& call, int device) {
+  const DriverApi& api = driver();
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (api.get_error_name == nullptr || api.get_error_name(status, &name) != CUDA_SUCCESS || name == nullptr) {
+    name = "CUDA_ERROR_UNKNOWN";
+  }
+  if (api.get_error_string == nullptr || api.get_error_string(status, &text) != CUDA_SUCCESS || text == nullptr) {
+    text = "unrecognized error code";
+  }
+  const std::string where = device >= 0 ? " on device " + std::to_string(device) : "";
+  const std::string hint =
+      status == CUDA_ERROR_OUT_OF_MEMORY ? "; free memory on the device or plan a smaller workspace" : "";
+  throw CudaError(std::string(name) + ": " + text + " (in " + call + where + ")" + hint, call,
+                  static_cast<int>(status), name, device);
+}
+
+void check_driver(CUresult status, const std::string& call, int device) {
+  if (status != CUDA_SUCCESS) throw_driver_error(status, call, device);
+}
+
+std::string bytes_arg(int64_t bytes) { return std::to_string(bytes) + " bytes"; }
+
+std::string at_arg(unsigned long long address, int64_t bytes) {
+  char hex[32];
+  std::snprintf(hex, sizeof hex, "%#llx", address);
+  return std::string(hex) + ", " + bytes_arg(bytes);
+}
+
+// The driver calls below act in the device's primary context, which cudaSetDevice makes current
+// on the calling thread (and initialises, since CUDA 12) even when the device is current already.
+void bind_primary_context(int device) { INFERCTX_CUDA(cudaSetDevice(device), device); }
+
+CUdevice driver_device(const DriverApi& api, int device) {
+  CUdevice d = 0;
+  check_driver(api.device_get(&d, device), "cuDeviceGet(" + std::to_string(device) + ")", device);
+  return d;
+}
+
+CUmemAllocationProp pinned_device_memory(CUdevice device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = static_cast<int>(device);
+  return prop;
+}
+
+int resolve_device(int device) { return device < 0 ? current_device() : device; }
+
+}  // namespace
+
+std::string virtual_memory_unsupported_reason(int device) {
+  const DriverApi& api = driver();
+  if (!api.missing.empty()) return "the CUDA driver lacks the entry points " + api.missing;
+  int supported = 0;
+  check_driver(api.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                        driver_device(api, device)),
+               "cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)", device);
+  if (supported == 0) {
+    return "device " + std::to_string(device) +
+           " does not support virtual memory management (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED "
+           "is 0)";
+  }
+  return "";
+}
+
+int64_t virtual_memory_granularity(int device) {
+  const DriverApi& api = driver_with_vmm();
+  const CUmemAllocationProp prop = pinned_device_memory(driver_device(api, device));
+  size_t granularity = 0;
+  check_driver(api.get_granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+               "cuMemGetAllocationGranularity(pinned device memory, CU_MEM_ALLOC_GRANULARITY_MINIMUM)", device);
+  if (granularity == 0) {
+    throw CudaError("cuMemGetAllocationGranularity gave 0 for pinned memory on device " + std::to_string(device),
+                    "cuMemGetAllocationGranularity", static_cast<int>(CUDA_ERROR_INVALID_VALUE),
+                    "CUDA_ERROR_INVALID_VALUE", device);
+  }
+  return static_cast<int64_t>(granularity);
+}
+
+VirtualAllocation::VirtualAllocation(int device, int64_t capacity)
+    : DeviceAllocation(Borrowed{}, resolve_device(device), nullptr, 0) {
+  if (capacity <= 0) {
+    throw ConfigError("capacity", "capacity: VirtualAllocation got " + std::to_string(capacity) +
+                                      "; it must be a positive byte count");
+  }
+  const DriverApi& api = driver_with_vmm();
+  CurrentDeviceScope on(device_);
+  bind_primary_context(device_);
+  granularity_ = virtual_memory_granularity(device_);
+  capacity_ = (capacity + granularity_ - 1) / granularity_ * granularity_;
+  CUdeviceptr base = 0;
+  check_driver(api.address_reserve(&base, static_cast<size_t>(capacity_), static_cast<size_t>(granularity_), 0, 0),
+               "cuMemAddressReserve(" + bytes_arg(capacity_) + ", alignment " + std::to_string(granularity_) + ")",
+               device_);
+  base_ = base;
+  ptr_ = reinterpret_cast<void*>(static_cast<uintptr_t>(base));
+}
+
+VirtualAllocation::~VirtualAllocation() {
+  if (base_ == 0) return;
+  const DriverApi& api = driver();
+  CurrentDeviceScope on(device_, std::nothrow);
+  if (cudaSetDevice(device_) != cudaSuccess) cudaGetLastError();
+  if (!chunks_.empty()) {
+    // As cudaFree does: work still queued (a graph replay, say) must not run on unmapped memory.
+    if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
+    release_chunks(0);
+  }
+  if (api.address_free != nullptr) api.address_free(base_, static_cast<size_t>(capacity_));
+}
+
+int64_t VirtualAllocation::mapped_bytes() const noexcept { return accessible() ? bytes_ : 0; }
+
+int64_t VirtualAllocation::round_up(int64_t bytes) const {
+  if (bytes < 0 || bytes > capacity_) {
+    throw ConfigError("bytes", "bytes: got " + std::to_string(bytes) + "; the reserved range on device " +
+                                   std::to_string(device_) + " holds 0.." + std::to_string(capacity_) + " (" +
+                                   human_bytes(capacity_) + ")");
+  }
+  return (bytes + granularity_ - 1) / granularity_ * granularity_;
+}
+
+bool VirtualAllocation::map(int64_t bytes, const void* restore, int64_t restore_bytes, cudaStream_t stream) {
+  if (accessible()) throw WorkspaceStateError("VirtualAllocation::map: memory is mapped already");
+  const int64_t target = round_up(bytes);
+  if (restore_bytes <= 0) restore = nullptr;
+  if (restore != nullptr) require_explicit_stream(stream, "VirtualAllocation::map");
+  CurrentDeviceScope on(device_);
+  bind_primary_context(device_);
+  if (!map_range(0, target, restore, std::min(restore_bytes, target), stream)) return false;
+  if (restore != nullptr) {
+    const cudaError_t status = cudaStreamSynchronize(stream);
+    if (status != cudaSuccess) {
+      release_chunks(0);
+      throw_cuda_error(status, "cudaStreamSynchronize (contents copied back from host memory)", device_);
+    }
+  }
+  bytes_ = target;
+  mapped_.store(true, std::memory_order_release);
+  return true;
+}
+
+bool VirtualAllocation::grow(int64_t bytes) {
+  if (!accessible()) throw WorkspaceStateError("VirtualAllocation::grow: nothing is mapped to grow");
+  const int64_t target = round_up(bytes);
+  if (target <= bytes_) return true;
+  CurrentDeviceScope on(device_);
+  bind_primary_context(device_);
+  if (!map_range(bytes_, target, nullptr, 0, nullptr)) return false;
+  bytes_ = target;
+  return true;
+}
+
+bool VirtualAllocation::map_range(int64_t from, int64_t to, const void* restore, int64_t restore_bytes,
+                                  cudaStream_t stream) {
+  const DriverApi& api = driver_with_vmm();
+  const CUmemAllocationProp prop = pinned_device_memory(driver_device(api, device_));
+  CUmemAccessDesc access{};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const size_t first = chunks_.size();
+  // Undoes what this call mapped; the copies queued into it must be done first.
+  auto undo = [&] {
+    if (restore != nullptr && cudaStreamSynchronize(stream) != cudaSuccess) cudaGetLastError();
+    release_chunks(first);
+  };
+  try {
+    for (int64_t offset = from; offset < to;) {
+      const int64_t n = std::min(kChunkBytes, to - offset);
+      const CUdeviceptr at = static_cast<CUdeviceptr>(base_ + static_cast<unsigned long long>(offset));
+      CUmemGenericAllocationHandle handle = 0;
+      CUresult status = api.create(&handle, static_cast<size_t>(n), &prop, 0);
+      if (status == CUDA_ERROR_OUT_OF_MEMORY) {
+        undo();
+        return false;
+      }
+      check_driver(status, "cuMemCreate(" + bytes_arg(n) + ", pinned device memory)", device_);
+      status = api.map(at, static_cast<size_t>(n), 0, handle, 0);
+      if (status != CUDA_SUCCESS) {
+        api.release(handle);
+        if (status == CUDA_ERROR_OUT_OF_MEMORY) {
+          undo();
+          return false;
+        }
+        check_driver(status, "cuMemMap(" + at_arg(at, n) + ")", device_);
+      }
+      chunks_.push_back({offset, n, handle});
+      status = api.set_access(at, static_cast<size_t>(n), &access, 1);
+      if (status == CUDA_ERROR_OUT_OF_MEMORY) {
+        undo();
+        return false;
+      }
+      check_driver(status, "cuMemSetAccess(" + at_arg(at, n) + ", read/write for the device)", device_);
+      const int64_t copy = restore != nullptr ? std::min(n, restore_bytes - offset) : 0;
+      if (copy > 0) {
+        // Queued now, it runs while the next chunk is being mapped.
+        const auto* src = static_cast<const unsigned char*>(restore) + offset;
+        INFERCTX_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(static_cast<uintptr_t>(at)), src,
+                                      static_cast<size_t>(copy), cudaMemcpyHostToDevice, stream),
+                      device_);
+      }
+      offset += n;
+    }
+  } catch (...) {
+    undo();
+    throw;
+  }
+  return true;
+}
+
+void VirtualAllocation::unmap(void* save, cudaStream_t stream) {
+  if (!accessible()) return;
+  if (save != nullptr) require_explicit_stream(stream, "VirtualAllocation::unmap");
+  CurrentDeviceScope on(device_);
+  bind_primary_context(device_);
+  std::vector<std::unique_ptr<Event>> copied;
+  if (save != nullptr) {
+    copied.reserve(chunks_.size());
+    for (const Chunk& c : chunks_) {
+      auto* dst = static_cast<unsigned char*>(save) + c.offset;
+      const void* src = reinterpret_cast<const void*>(static_cast<uintptr_t>(base_ + c.offset));
+      INFERCTX_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(c.bytes), cudaMemcpyDeviceToHost, stream),
+                    device_);
+      copied.push_back(std::make_unique<Event>(device_));
+      copied.back()->record(stream);
+    }
+  }
+  // From here on the memory is going, whatever fails: views refuse new exports.
+  mapped_.store(false, std::memory_order_release);
+  const DriverApi& api = driver_with_vmm();
+  // After a failure at chunk `next`: the copies may still run into host memory that the caller
+  // frees once this throws, so they finish first; then the rest goes, best effort.
+  auto give_up_from = [&](size_t next) {
+    if (!copied.empty() && cudaStreamSynchronize(stream) != cudaSuccess) cudaGetLastError();
+    release_chunks(next);
+  };
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    const Chunk c = chunks_[i];
+    if (!copied.empty()) {
+      try {
+        copied[i]->synchronize();
+      } catch (...) {
+        give_up_from(i);
+        throw;
+      }
+    }
+    const CUdeviceptr at = static_cast<CUdeviceptr>(base_ + c.offset);
+    const CUresult unmapped = api.unmap(at, static_cast<size_t>(c.bytes));
+    // A handle may be released while still mapped: its memory then goes with the mapping.
+    const CUresult released = api.release(c.handle);
+    if (unmapped != CUDA_SUCCESS || released != CUDA_SUCCESS) {
+      give_up_from(i + 1);
+      check_driver(unmapped, "cuMemUnmap(" + at_arg(at, c.bytes) + ")", device_);
+      check_driver(released, "cuMemRelease(" + bytes_arg(c.bytes) + ")", device_);
+    }
+  }
+  chunks_.clear();
+}
+
+void VirtualAllocation::release_chunks(size_t first) noexcept {
+  const DriverApi& api = driver();
+  for (size_t i = first; i < chunks_.size(); ++i) {
+    const Chunk& c = chunks_[i];
+    if (api.unmap != nullptr) api.unmap(static_cast<CUdeviceptr>(base_ + c.offset), static_cast<size_t>(c.bytes));
+    if (api.release != nullptr) api.release(c.handle);
+  }
+  chunks_.resize(std::min(first, chunks_.size()));
+}
+
+}  // namespace inferctx
