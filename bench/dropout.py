@@ -2,7 +2,9 @@
 
 For fp16, bf16 and fp32 inputs of 16 MiB, 256 MiB and 2 GiB (by default), in one run:
 
-* ours, mask="bits" / "bytes" / None, writing into a preallocated ``out=``;
+* ours as a user calls it, ``inferctx.dropout(x, p)`` on torch tensors with no ``out=`` and no
+  ``mask_out=`` (y and the bit mask come from torch's caching allocator): "ours plain";
+* ours, mask="bits" / "bytes" / None, writing into a preallocated ``out=`` (the tuned call);
 * ``torch.nn.functional.dropout(x, p, training=True)`` on the same tensors (it writes its output
   and a bool mask);
 * a device-to-device copy of the same input (``y.copy_(x)``), the bandwidth ceiling: timed first
@@ -19,7 +21,9 @@ so that each call reads and writes memory that is not in L2 (the total exceeds 3
 Bandwidth counts the bytes each variant reads and writes: 2 n e for the data (e bytes per
 element), plus the mask: n / 8 (bits), n (bytes, and torch's bool mask). Ratios: ours/torch time
 (targets at >= 256 MiB: <= 1.0 with bytes; with bits <= 0.85 for fp16/bf16 and <= 0.92 for fp32)
-and ours/copy bandwidth (target >= 0.90 for every mask mode).
+and ours/copy bandwidth (target >= 0.90 for every mask mode); the plain call <= 0.75x torch's
+time from 64 MiB up. Last, host time per call at 4 KiB (the GPU kept busy so that only issuing
+is timed): the plain call against ``F.dropout``, target <= 1.0x.
 
     python bench/dropout.py [--p 0.1] [--sizes-mib 16 256 2048] [--dtypes float16 bfloat16 float32]
                             [--json results.json]
@@ -40,12 +44,14 @@ TARGET_COPY_FRACTION = 0.90
 TARGET_VS_TORCH = {("bits", "float16"): 0.85, ("bits", "bfloat16"): 0.85, ("bits", "float32"): 0.92,
                    ("bytes", "float16"): 1.0, ("bytes", "bfloat16"): 1.0, ("bytes", "float32"): 1.0}
 TARGET_MIN_BYTES = 256 * MIB  # the targets apply from this input size up
+TARGET_PLAIN_VS_TORCH = 0.75  # the plain call, from PLAIN_MIN_BYTES up
+PLAIN_MIN_BYTES = 64 * MIB
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--p", type=float, default=0.1, help="drop probability (default 0.1)")
-    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 256, 2048], help="input sizes in MiB")
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256, 2048], help="input sizes in MiB")
     ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"],
                     choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--iters", type=int, default=0, help="timed calls per variant (default: by size)")
@@ -103,6 +109,39 @@ class Timer:
         return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
+def host_times(torch, F, inferctx, p, calls=200, reps=21):
+    """Host time per call of the plain dropout and of F.dropout on 4 KiB inputs, issued while the
+    GPU is kept busy (so that the loop measures issuing, not completion); medians."""
+    out = []
+    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000)
+    cycles = int(khz * 1e3 * calls * 80e-6)
+    for dname, dt in (("float16", torch.float16), ("float32", torch.float32)):
+        x = torch.randn(4096 // torch.tensor([], dtype=dt).element_size(), device="cuda").to(dt)
+        figures = {}
+        for name, fn in (("torch", lambda: F.dropout(x, p, training=True)),
+                         ("ours", lambda: inferctx.dropout(x, p)),
+                         ("torch again", lambda: F.dropout(x, p, training=True))):
+            for _ in range(20):
+                fn()
+            samples = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(cycles)
+                kept = []
+                t0 = time.perf_counter_ns()
+                for _ in range(calls):
+                    kept.append(fn())
+                samples.append((time.perf_counter_ns() - t0) / calls / 1e3)
+                del kept
+            figures[name] = statistics.median(samples)
+        torch.cuda.synchronize()
+        theirs = min(figures["torch"], figures["torch again"])
+        out.append(dict(variant="host plain", dtype=dname, input_bytes=4096, ours_us=figures["ours"],
+                        torch_us=theirs, ratio=figures["ours"] / theirs,
+                        target_met=figures["ours"] <= theirs))
+    return out
+
+
 def default_iters(nbytes: int) -> int:
     if nbytes <= 64 * MIB:
         return 100
@@ -153,16 +192,18 @@ def main(argv=None) -> int:
                      None: [None] * sets}
             for k in range(sets):  # real masks for the backward to read
                 for mode in ("bits", "bytes"):
-                    inferctx.dropout(xs[k], args.p, out=ys[k], mask=mode, mask_out=masks[mode][k], ctx=ctx,
-                                     stream=stream)
+                    inferctx.dropout(xs[k], args.p, out=ys[k], mask=mode, mask_out=masks[mode][k], ctx=ctx)
             torch.cuda.synchronize()
 
             def ours(mode):
                 def call(i):
                     k = i % sets
                     return inferctx.dropout(xs[k], args.p, out=ys[k], mask=mode, mask_out=masks[mode][k],
-                                            ctx=ctx, stream=stream)
+                                            ctx=ctx)
                 return call
+
+            def plain(i):  # as a user calls it: results from torch's caching allocator
+                return inferctx.dropout(xs[i % sets], args.p)
 
             scale = 1.0 / (1.0 - args.p)
 
@@ -173,7 +214,7 @@ def main(argv=None) -> int:
             def ours_backward(mode):
                 def call(i):
                     k = i % sets
-                    return inferctx.apply_mask(xs[k], masks[mode][k], args.p, out=ys[k], ctx=ctx, stream=stream)
+                    return inferctx.apply_mask(xs[k], masks[mode][k], args.p, out=ys[k], ctx=ctx)
                 return call
 
             def copy(i):
@@ -182,6 +223,7 @@ def main(argv=None) -> int:
             variants = [
                 ("copy", copy, 2 * nbytes),
                 ("torch", lambda i: F.dropout(xs[i % sets], args.p, training=True), 2 * nbytes + n),
+                ("ours plain", plain, 2 * nbytes + words_bytes),
                 ("ours bits", ours("bits"), 2 * nbytes + words_bytes),
                 ("ours bytes", ours("bytes"), 2 * nbytes + n),
                 ("ours none", ours(None), 2 * nbytes),
@@ -211,7 +253,11 @@ def main(argv=None) -> int:
                 r["vs_torch_time"] = r["median_ms"] / row["torch bwd" if backward else "torch"]["median_ms"]
                 mode = name.split()[-1] if name.startswith("ours") else None
                 checks = []
-                if name.startswith("ours") and not backward and nbytes >= TARGET_MIN_BYTES:
+                if name == "ours plain":
+                    if nbytes >= PLAIN_MIN_BYTES:
+                        checks.append(r["vs_torch_time"] <= TARGET_PLAIN_VS_TORCH)
+                        r["torch_target"] = TARGET_PLAIN_VS_TORCH
+                elif name.startswith("ours") and not backward and nbytes >= TARGET_MIN_BYTES:
                     checks.append(r["vs_copy_bw"] >= TARGET_COPY_FRACTION)
                     limit = TARGET_VS_TORCH.get((mode, dname))
                     if limit is not None:
@@ -226,18 +272,24 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
 
     print("\nsummary (ours/torch time, ours/copy bandwidth; * = target missed; bwd: against torch's backward)")
-    print(f"{'dtype':9s} {'input':>9s} | {'bits':>13s} | {'bytes':>13s} | {'none':>13s} | {'bwd bits':>13s} | "
-          f"{'bwd bytes':>13s} | {'copy GB/s':>9s}")
+    print(f"{'dtype':9s} {'input':>9s} | {'plain':>13s} | {'bits':>13s} | {'bytes':>13s} | {'none':>13s} | "
+          f"{'bwd bits':>13s} | {'bwd bytes':>13s} | {'copy GB/s':>9s}")
     for mib in args.sizes_mib:
         for dname in args.dtypes:
             sel = {r["variant"]: r for r in results if r["dtype"] == dname and r["input_bytes"] == mib * MIB}
             cells = []
-            for mode in ("bits", "bytes", "none", "bwd bits", "bwd bytes"):
+            for mode in ("plain", "bits", "bytes", "none", "bwd bits", "bwd bytes"):
                 r = sel[f"ours {mode}"]
                 mark = "*" if r["target_met"] is False else " "
                 cells.append(f"{r['vs_torch_time']:5.2f} {r['vs_copy_bw']:5.2f}{mark}")
             print(f"{dname:9s} {mib:>6d}MiB | " + " | ".join(f"{c:>13s}" for c in cells) +
                   f" | {sel['copy']['gbps']:9.0f}")
+    host = host_times(torch, F, inferctx, args.p)
+    for r in host:
+        print(f"host time per call, 4 KiB {r['dtype']}: dropout(x, p) {r['ours_us']:.2f} us vs "
+              f"F.dropout {r['torch_us']:.2f} us ({r['ratio']:.2f}x, target <= 1.0: "
+              f"{'ok' if r['target_met'] else 'MISSED'})")
+    results.extend(host)
     missed = [r for r in results if r["target_met"] is False]
     print(f"\n{len(missed)} target(s) missed" if missed else "\nall targets met")
     if args.json:

@@ -385,11 +385,24 @@ def test_a_fresh_context_has_no_workspace():
 
 # -- streams ----------------------------------------------------------------------------------
 
+def _current_stream_handle(device):
+    """What ctx.stream follows without use_stream: torch's current stream once torch is imported,
+    else CuPy's, else the context's own (None)."""
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        return torch.cuda.current_stream(device).cuda_stream or 1  # torch's default is 0: legacy
+    if "cupy" in sys.modules:
+        return sys.modules["cupy"].cuda.get_current_stream().ptr or 1
+    return None
+
+
 @pytest.mark.gpu
 def test_streams_of_the_context(ctx):
-    s, c = ctx.stream, ctx.comm_stream
-    assert s.__cuda_stream__() == (0, s.handle) and s.handle not in (0, 1, 2)
-    assert c.handle not in (0, 1, 2, s.handle) and not s.owned
+    s, c, own = ctx.stream, ctx.comm_stream, ctx.own_stream
+    assert own.handle not in (0, 1, 2) and not own.owned and own.device == ctx.device
+    assert s.handle == (_current_stream_handle(ctx.device) or own.handle)
+    assert s.__cuda_stream__() == (0, s.handle)
+    assert c.handle not in (0, 1, 2, own.handle) and not s.owned
     assert ctx.stream is s  # cached while it is the compute stream
     ctx.sync_comp()
     ctx.sync_comm()

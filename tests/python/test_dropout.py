@@ -43,9 +43,10 @@ def to_torch(torch, view):
 
 
 def host_words(torch, view) -> np.ndarray:
-    """A bits mask (uint32 DeviceView) on the host as a NumPy uint32 array."""
+    """A bits mask (uint32 words; int32 when dropout returned a torch tensor) on the host as a
+    NumPy uint32 array."""
     t = to_torch(torch, view)
-    assert t.dtype == torch.uint32
+    assert t.dtype in (torch.uint32, torch.int32)
     return t.view(torch.int32).cpu().numpy().view(np.uint32)
 
 

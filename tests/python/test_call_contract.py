@@ -1,0 +1,446 @@
+"""The call contract of the kernels (dropout, apply_mask, gemm, bmm), as users call them.
+
+Default arguments first: no use_stream, no out=, no synchronize between a call and the caller's
+read of its result. Ordering bugs hide behind fast GPUs, so every ordering trial puts a long
+sleep kernel on the caller's stream first, has the producer write the input after it, calls
+inferctx, and reads the output on the caller's current stream right after: if any of the three
+were not ordered, the read would see stale or unwritten data. Results must be exact (integer
+data whose products are exact in every dtype; dropout with a fixed Philox state).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import inferctx
+from inferctx.errors import ConfigError
+
+pytestmark = pytest.mark.gpu
+
+TRIALS = 200
+SLEEP_CYCLES = 200_000  # about 0.1 ms at the H200's clock: far longer than a launch
+
+
+@pytest.fixture
+def torch():
+    t = pytest.importorskip("torch")
+    if not t.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    return t
+
+
+@pytest.fixture
+def cupy(torch):
+    return pytest.importorskip("cupy")
+
+
+@pytest.fixture
+def ctx(torch):
+    context = inferctx.InferenceContext.instance(0)
+    context.use_stream(None)
+    yield context
+    context.use_stream(None)
+    torch.cuda.synchronize()
+
+
+def _ints(torch, shape, seed, dtype, low=-2, high=3):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(low, high, shape, generator=g, device="cuda").to(dtype)
+
+
+# ---- the five cases of the issue that were wrong 5 times in 5 ------------------------------------
+
+def test_gemm_out_then_torch_read_is_ordered(torch):
+    n = 2048
+    a = torch.empty((n, n), device="cuda", dtype=torch.float16)
+    b = _ints(torch, (n, n), 1, torch.float16, -1, 2)
+    c = torch.empty((n, n), device="cuda", dtype=torch.float16)
+    for trial in range(5):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        a.copy_(_ints(torch, (n, n), 100 + trial, torch.float16, -1, 2))  # the producer
+        inferctx.gemm(a, b, out=c)
+        got = c.float()  # the caller's read, no synchronize
+        want = a.float() @ b.float()  # exact: |sums| <= 2048, integers
+        assert torch.equal(got, want), trial
+
+
+def test_dropout_out_then_torch_read_is_ordered(torch):
+    x = torch.empty(1 << 22, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+    for trial in range(5):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        x.fill_(float(trial + 1))
+        inferctx.dropout(x, 0.0, out=y, mask=None)
+        assert bool((y == trial + 1).all()), trial
+
+
+# ---- ordering, 200 trials per entry point and caller ---------------------------------------------
+
+CALLS = ["gemm", "gemm_out", "bmm", "bmm_out", "dropout", "dropout_out", "apply_mask",
+         "apply_mask_out"]
+
+
+def _to_torch(torch, r):
+    """A result as a torch tensor on the GPU (the same memory), read on torch's current stream."""
+    return r if isinstance(r, torch.Tensor) else torch.from_dlpack(r)
+
+
+class Case:
+    """One entry point on fixed-size operands held as torch tensors (`a`, `b`, `out`), passed to
+    inferctx in the caller's array type by `make` (identity, CuPy, or the DeviceView that backs
+    the tensor): `produce(trial)` writes the input on the caller's current stream, `call()` runs
+    inferctx as a user would, `want()` is the exact result for the input now in `a`."""
+
+    def __init__(self, torch, name, make=None, alloc=None):
+        self.torch = torch
+        self.name = name
+        self.make = make or (lambda t: t)
+        t = torch
+        alloc = alloc or (lambda shape, dtype: t.empty(shape, device="cuda", dtype=dtype))
+
+        def filled(shape, seed, dtype):
+            x = alloc(shape, dtype)
+            x.copy_(_ints(t, shape, seed, dtype))
+            return x
+
+        if name.startswith("gemm"):
+            self.a = alloc((128, 96), t.float16)
+            self.b = filled((96, 64), 7, t.float16)
+            self.out = alloc((128, 64), t.float16)
+        elif name.startswith("bmm"):
+            self.a = alloc((4, 64, 32), t.float16)
+            self.b = filled((4, 32, 48), 8, t.float16)
+            self.out = alloc((4, 64, 48), t.float16)
+        else:
+            self.a = filled((1 << 16,), 9, t.float32)
+            self.out = alloc((1 << 16,), t.float32)
+            if name.startswith("apply_mask"):
+                _, self.mask = inferctx.dropout(self.make(self.a), 0.5, seed=5, offset=8)
+                t.cuda.synchronize()
+                words = _to_torch(t, self.mask).view(t.int32).cpu().numpy().view(np.uint32)
+                bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.a.numel()]
+                self.keep = t.from_numpy(bits.astype(np.bool_)).cuda()
+
+    def produce(self, trial):
+        self.a.copy_(_ints(self.torch, tuple(self.a.shape), 1000 + trial, self.a.dtype))
+
+    def call(self, **kw):
+        mk = self.make
+        a = mk(self.a)
+        out = mk(self.out) if self.name.endswith("_out") else None
+        if self.name.startswith("gemm"):
+            return inferctx.gemm(a, mk(self.b), out=out, **kw)
+        if self.name.startswith("bmm"):
+            return inferctx.bmm(a, mk(self.b), out=out, **kw)
+        if self.name.startswith("dropout"):
+            return inferctx.dropout(a, 0.5, out=out, seed=3, offset=4, **kw)[0]
+        return inferctx.apply_mask(a, self.mask, 0.5, out=out, **kw)
+
+    def read(self, r):
+        """The caller's read, on its current stream, right after the call."""
+        return _to_torch(self.torch, r).float().clone()
+
+    def want(self):
+        t = self.torch
+        a = self.a.float()
+        if self.name.startswith(("gemm", "bmm")):
+            return a @ self.b.float()  # exact: small integers
+        if self.name.startswith("dropout"):
+            keep = inferctx.dropout(self.a, 0.5, mask="bytes", seed=3, offset=4)[1].bool()
+            return t.where(keep, a * 2.0, t.zeros_like(a))
+        return t.where(self.keep, a * 2.0, t.zeros_like(a))
+
+
+def _run_trials(torch, case, **kw):
+    """TRIALS times: sleep on the caller's stream, produce, call, read; then check every read."""
+    reads = []
+    inputs = []
+    for trial in range(TRIALS):
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        case.produce(trial)
+        r = case.call(**kw)
+        reads.append(case.read(r))
+        inputs.append(case.a.clone())
+    torch.cuda.synchronize()
+    for trial, (got, a) in enumerate(zip(reads, inputs)):
+        case.a.copy_(a)
+        assert torch.equal(got, case.want()), (case.name, trial)
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_torch_caller_default_context(torch, ctx, name):
+    _run_trials(torch, Case(torch, name))
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_torch_caller_on_a_side_stream(torch, ctx, name):
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):  # the caller's current stream is now `side`
+        _run_trials(torch, Case(torch, name))
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_torch_caller_after_use_stream_other(torch, ctx, name):
+    other = inferctx.Stream()
+    ctx.use_stream(other)  # serves operands of no package; torch operands keep torch's stream
+    _run_trials(torch, Case(torch, name))
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_torch_caller_with_stream_argument(torch, ctx, name):
+    work = torch.cuda.Stream()
+    _run_trials(torch, Case(torch, name), stream=work)
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_cupy_caller_default_stream(torch, cupy, ctx, name):
+    _run_trials(torch, Case(torch, name, make=cupy.from_dlpack))
+
+
+@pytest.mark.parametrize("name", ["gemm", "gemm_out", "dropout", "apply_mask"])
+def test_cupy_caller_on_its_own_stream(torch, cupy, ctx, name):
+    cs = cupy.cuda.Stream(non_blocking=True)
+    torch.cuda.synchronize()
+    with cs, torch.cuda.stream(torch.cuda.ExternalStream(cs.ptr)):  # both current: `cs`
+        _run_trials(torch, Case(torch, name, make=cupy.from_dlpack))
+
+
+@pytest.mark.parametrize("name", ["gemm", "dropout_out", "apply_mask"])
+def test_cupy_caller_with_stream_argument(torch, cupy, ctx, name):
+    _run_trials(torch, Case(torch, name, make=cupy.from_dlpack),
+                stream=cupy.cuda.Stream(non_blocking=True))
+
+
+@pytest.mark.parametrize("name", ["gemm", "gemm_out", "bmm", "dropout", "dropout_out",
+                                  "apply_mask"])
+def test_deviceview_caller_after_use_stream_other(torch, ctx, name):
+    # Operands of no package run on ctx.stream (here an adopted stream, on which the caller
+    # works) and their results are DeviceViews, read after a DLPack export.
+    other = inferctx.Stream()
+    ctx.use_stream(other)
+    backing = {}
+
+    def alloc(shape, dtype):
+        view = inferctx._core._empty(0, shape, str(dtype).rpartition(".")[2])
+        t = torch.from_dlpack(view)
+        backing[t.data_ptr()] = view
+        return t
+
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.ExternalStream(other.handle)):
+        case = Case(torch, name, make=lambda t: backing[t.data_ptr()], alloc=alloc)
+        r = case.call()
+        assert isinstance(r, inferctx.DeviceView)
+        _run_trials(torch, case)
+
+
+def test_kernel_then_sync_comp_then_comm_stream_read(torch, ctx):
+    comm = torch.cuda.ExternalStream(ctx.comm_stream.handle)
+    x = torch.empty(1 << 20, device="cuda", dtype=torch.float16)
+    seen = []
+    for trial in range(TRIALS):
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        x.fill_(float(trial % 7 + 1))
+        y, _ = inferctx.dropout(x, 0.0, mask=None)  # on torch's current stream
+        ctx.sync_comp()  # no use_stream: ctx.stream is torch's current stream
+        y.record_stream(comm)  # torch's rule for a tensor used on another stream
+        with torch.cuda.stream(comm):
+            seen.append(y.sum(dtype=torch.float32))
+        torch.cuda.current_stream().wait_stream(comm)
+    torch.cuda.synchronize()
+    for trial, s in enumerate(seen):
+        assert s.item() == float((trial % 7 + 1) * (1 << 20)), trial
+
+
+# ---- result types ----------------------------------------------------------------------------
+
+def test_torch_in_torch_out(torch, ctx):
+    x = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    y, bits = inferctx.dropout(x, 0.3)
+    assert isinstance(y, torch.Tensor) and y.device == x.device and y.dtype == x.dtype
+    assert y.shape == x.shape and y.is_contiguous()
+    assert isinstance(bits, torch.Tensor) and bits.dtype == torch.int32 and bits.shape == (32,)
+    _, byte_mask = inferctx.dropout(x, 0.3, mask="bytes")
+    assert byte_mask.dtype == torch.uint8 and byte_mask.shape == x.shape
+    g = inferctx.apply_mask(x, bits, 0.3)
+    assert isinstance(g, torch.Tensor) and g.dtype == x.dtype
+    a = torch.randn(8, 16, device="cuda", dtype=torch.float16)
+    b = torch.randn(16, 4, device="cuda", dtype=torch.float16)
+    c = inferctx.gemm(a, b)
+    assert isinstance(c, torch.Tensor) and c.shape == (8, 4) and c.dtype == torch.float16
+    # out= is returned as given: the same tensor, the same memory.
+    buf = torch.empty(8, 4, device="cuda", dtype=torch.float16)
+    assert inferctx.gemm(a, b, out=buf) is buf
+    y_buf = torch.empty_like(x)
+    y2, m2 = inferctx.dropout(x, 0.3, out=y_buf, mask_out=bits)
+    assert y2 is y_buf and m2 is bits
+    bb = inferctx.bmm(a[None], b[None])
+    assert isinstance(bb, torch.Tensor) and bb.shape == (1, 8, 4)
+
+
+def test_torch_results_come_from_torchs_allocator(torch, ctx):
+    x = torch.randn(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y, mask = inferctx.dropout(x, 0.5)
+    # y (4 MiB) and the mask (128 KiB) are torch allocations.
+    assert torch.cuda.memory_allocated() - before >= y.numel() * 4 + mask.numel() * 4
+    del y, mask
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_cupy_in_cupy_out(torch, cupy, ctx):
+    x = cupy.random.standard_normal(1000, dtype=cupy.float32)
+    y, bits = inferctx.dropout(x, 0.3)
+    assert isinstance(y, cupy.ndarray) and y.dtype == cupy.float32 and y.shape == x.shape
+    assert isinstance(bits, cupy.ndarray) and bits.dtype == cupy.uint32 and bits.shape == (32,)
+    a = cupy.ones((8, 16), dtype=cupy.float16)
+    b = cupy.ones((16, 4), dtype=cupy.float16)
+    c = inferctx.gemm(a, b)
+    assert isinstance(c, cupy.ndarray) and c.shape == (8, 4)
+    assert bool((c == 16).all())
+    out = cupy.empty((8, 4), dtype=cupy.float16)
+    assert inferctx.gemm(a, b, out=out) is out
+
+
+def test_deviceview_in_deviceview_out(torch, ctx):
+    x = inferctx._core._empty(0, (4096,), "float16")
+    torch.from_dlpack(x).normal_()
+    y, bits = inferctx.dropout(x, 0.25)
+    assert isinstance(y, inferctx.DeviceView) and isinstance(bits, inferctx.DeviceView)
+    assert y.dtype == "float16" and bits.dtype == "uint32" and bits.shape == (128,)
+    # A DLPack round trip gives the same memory.
+    assert torch.from_dlpack(y).data_ptr() == y.ptr
+
+
+def test_mixed_packages_take_the_first_operands(torch, cupy, ctx):
+    # torch a, CuPy b: torch decides the stream and the result type; CuPy's stream is joined.
+    a = torch.ones(8, 16, device="cuda", dtype=torch.float16)
+    b = cupy.ones((16, 4), dtype=cupy.float16)
+    c = inferctx.gemm(a, b)
+    assert isinstance(c, torch.Tensor) and bool((c == 16).all())
+    c2 = inferctx.gemm(cupy.asarray(a), torch.as_tensor(b, device="cuda"))
+    assert isinstance(c2, cupy.ndarray) and bool((c2 == 16).all())
+    # CuPy on its own stream with torch out=: the product runs on torch's stream and CuPy's
+    # current stream waits for it before reading.
+    cs = cupy.cuda.Stream(non_blocking=True)
+    out = torch.empty(8, 4, device="cuda", dtype=torch.float16)
+    with cs:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        inferctx.gemm(a, b, out=out)
+        seen = cupy.asarray(out).sum()
+    cs.synchronize()
+    assert float(seen) == 16 * 32
+
+
+# ---- the pool --------------------------------------------------------------------------------
+
+def test_plain_calls_on_deviceviews_keep_the_pool_bounded_and_trim_returns_it(torch, ctx):
+    gc.collect()
+    torch.cuda.synchronize()
+    pool = ctx.memory_pool
+    pool.trim()
+    used_before, blocks_before = pool.used_bytes, pool.allocations
+    free_before = torch.cuda.mem_get_info(0)[0]
+    x = inferctx._core._empty(0, (1 << 20,), "float16")  # 2 MiB
+    torch.from_dlpack(x).normal_()
+    for _ in range(10_000):
+        y, mask = inferctx.dropout(x, 0.1)
+        del y, mask
+    # y (2 MiB) and the mask (128 KiB) come back to the pool every call: a few blocks at most.
+    assert pool.reserved_bytes - used_before <= 32 << 20, pool.stats()
+    assert pool.allocations == blocks_before + 1  # x
+    del x
+    gc.collect()
+    pool.trim()
+    assert pool.used_bytes == used_before and pool.allocations == blocks_before, pool.stats()
+    assert pool.reserved_bytes - used_before < 2 << 20, pool.stats()
+    free_after = torch.cuda.mem_get_info(0)[0]
+    assert abs(free_after - free_before) <= 2 << 20, (free_before, free_after)
+
+
+def test_pool_block_is_not_reused_while_a_consumer_stream_reads_it(torch, ctx):
+    # A DeviceView result exported to a torch side stream that is still busy, then dropped: its
+    # block must not be handed out again before the side stream is done with it.
+    pool = ctx.memory_pool
+    side = torch.cuda.Stream()
+    x = inferctx._core._empty(0, (1 << 18,), "float32")
+    torch.from_dlpack(x).fill_(1.0)
+    y, _ = inferctx.dropout(x, 0.0, mask=None)
+    y_ptr = y.ptr
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES * 5)
+        t = torch.from_dlpack(y)  # consumer: the side stream (noted in the export)
+        total = t.sum()
+    del t, y
+    gc.collect()
+    z, _ = inferctx.dropout(x, 0.0, mask=None)  # may take y's block: only after `side`
+    torch.from_dlpack(z).fill_(5.0)
+    torch.cuda.synchronize()
+    assert total.item() == float(1 << 18)  # the side stream read y's values, not z's 5.0
+    del z, y_ptr, pool
+
+
+# ---- dropout's scale, rounded once ----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 1 / 3])
+def test_dropout_equals_torchs_x_times_mask_times_scale(torch, ctx, dtype, p):
+    t = getattr(torch, dtype)
+    x = (torch.randn(1 << 16, device="cuda") * 4).to(t)
+    y, mask = inferctx.dropout(x, p, mask="bytes")
+    want = x * mask * (1 / (1 - p))
+    assert want.dtype == x.dtype
+    bits = torch.int16 if dtype != "float32" else torch.int32
+    kept = mask.bool()
+    assert bool(kept.any()) and bool((~kept).any())
+    # Kept: the same bits as torch's; dropped: +0 (torch's x * 0 is -0 for negative x).
+    assert torch.equal(y[kept].view(bits), want[kept].view(bits))
+    assert bool((y[~kept].view(bits) == 0).all())
+
+
+# ---- bad stream= ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["fast", 1.5, True, object(), -3])
+def test_stream_that_is_not_a_stream_is_refused_before_launch(torch, ctx, bad):
+    x = torch.ones(100, device="cuda")
+    y = torch.full_like(x, 7.0)
+    state = ctx.rng_state
+    with pytest.raises(ConfigError) as info:
+        inferctx.dropout(x, 0.5, out=y, stream=bad)
+    assert info.value.argument == "stream" and "stream" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        inferctx.gemm(x.view(10, 10), x.view(10, 10), stream=bad)
+    assert info.value.argument == "stream"
+    assert ctx.rng_state == state  # nothing drew from the Philox state
+    torch.cuda.synchronize()
+    assert bool((y == 7.0).all())  # nothing was launched
+
+
+def test_destroyed_stream_is_refused(torch, ctx):
+    s = inferctx.Stream()
+    handle = s.handle
+    del s
+    gc.collect()
+    x = torch.ones(100, device="cuda")
+    with pytest.raises(ConfigError) as info:
+        inferctx.dropout(x, 0.5, stream=handle)
+    assert info.value.argument == "stream" and "exists" in str(info.value)
+    # The next valid call works: no CUDA error was left pending.
+    y, _ = inferctx.dropout(x, 0.0)
+    assert bool((y == 1).all())
+
+
+@pytest.mark.multi_gpu
+def test_stream_of_another_device_is_refused(torch, ctx):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    other = inferctx.Stream(device=1)
+    x = torch.ones(100, device="cuda:0")
+    with pytest.raises(ConfigError) as info:
+        inferctx.dropout(x, 0.5, stream=other)
+    assert info.value.argument == "stream" and "cuda:1" in str(info.value)
