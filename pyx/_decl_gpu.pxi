@@ -1,7 +1,7 @@
 # extern declarations of inferctx_core's GPU resources (cuda/include/inferctx: memory, stream,
-# blas, philox, context, cuda_check) and of the few CUDA runtime calls pyx/ makes itself (each
-# checked with check_cuda). Included by _core.pxd. The C++ classes whose names the Python
-# classes take are declared as Cpp*.
+# blas, philox, graph_rng, context, cuda_check) and of the few CUDA runtime calls pyx/ makes
+# itself (each checked with check_cuda). Included by _core.pxd. The C++ classes whose names the
+# Python classes take are declared as Cpp*.
 
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t
 from libcpp.memory cimport shared_ptr, unique_ptr
@@ -109,6 +109,35 @@ cdef extern from "inferctx/philox.hpp" namespace "inferctx" nogil:
         pair[uint64_t, uint64_t] state()
 
 
+cdef extern from "inferctx/graph_rng.hpp" namespace "inferctx" nogil:
+    cdef cppclass GraphPhilox:
+        uint64_t uid
+        uint64_t site
+        uint64_t step
+
+    cdef cppclass PhiloxSource:
+        bool captured
+        uint64_t seed
+        uint64_t offset
+        GraphPhilox graph
+        @staticmethod
+        PhiloxSource host(uint64_t seed, uint64_t offset)
+
+    cdef cppclass GraphRngStats:
+        uint64_t seed
+        uint64_t offset
+        uint64_t epoch
+        uint64_t sites
+        int64_t live_sites
+        int64_t slots
+
+    cdef cppclass GraphRng:
+        PhiloxSource draw(cudaStream_t stream, uint64_t increment) except +raise_inferctx_error
+        GraphRngStats stats() except +raise_inferctx_error
+
+    bool stream_capturing(cudaStream_t stream, int device) except +raise_inferctx_error
+
+
 cdef extern from "inferctx/context.hpp" namespace "inferctx" nogil:
     cdef cppclass CppInferenceContext "inferctx::InferenceContext":
         @staticmethod
@@ -143,8 +172,11 @@ cdef extern from "inferctx/context.hpp" namespace "inferctx" nogil:
         cudaStream_t own_stream()
 
         pair[uint64_t, uint64_t] increment_offset(uint64_t increment) except +raise_inferctx_error
-        void set_seed(uint64_t seed)
+        # Also writes the graphs' device header (graph_rng.hpp), so it can raise.
+        void set_seed(uint64_t seed) except +raise_inferctx_error
+        void set_seed(uint64_t seed, cudaStream_t stream) except +raise_inferctx_error
         const PhiloxState& philox()
+        GraphRng& graph_rng()
         CublasHandle& cublas()
 
 

@@ -101,7 +101,8 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
         Drop probability in [0, 1]; 0 copies x bit for bit, 1 gives zeros.
     ctx : InferenceContext, optional
         Defaults to the context of x's device. Its ``increment_offset(4)`` supplies (seed,
-        offset) unless both are given.
+        offset) unless both are given; on a stream capturing a CUDA graph, a call site of the
+        graph does instead, so every replay draws fresh numbers (docs/graphs.md).
     out : CUDA array, optional
         Receives y (same shape, dtype and device as x; may be x itself).
     mask : {"bits", "bytes", None}
@@ -111,7 +112,8 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
         Receives the mask (uint32 or int32 words for "bits", uint8 for "bytes"), so that a
         loop reuses one buffer instead of allocating a mask per call.
     seed, offset : int, optional
-        An explicit Philox state (offset a multiple of 4); give both or neither.
+        An explicit Philox state (offset a multiple of 4); give both or neither. Under capture
+        it stays fixed: every replay draws the same mask.
     stream : stream-like, optional
         Run on this stream (a stream of x's device) instead of the caller's current stream;
         the caller's current stream still waits for the result.
@@ -135,12 +137,8 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     cdef InferenceContext context = call.ctx
     cdef CudaArray a = call.array(x, "x")
     cdef int dtype = _kernel_dtype(a, "x")
-    cdef uint64_t s, o
-    cdef pair[uint64_t, uint64_t] state
-    if seed is None:
-        state = context._c.increment_offset(4)
-        s, o = state.first, state.second
-    else:
+    cdef uint64_t s = 0, o = 0
+    if seed is not None:
         s = _uint64_arg(seed, "seed")
         o = _uint64_arg(offset, "offset")
     cdef int64_t n = a.size
@@ -169,10 +167,10 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     cdef const void* xp = <const void*>a.ptr
     cdef void* yp = <void*>y_ptr
     cdef int dev = a.device
-    cdef uintptr_t handle = call.kernel
-    with nogil:
-        dropout_forward(xp, yp, <void*>mask_ptr, n, dtype, prob, mode, s, o, <cudaStream_t>handle,
-                        dev, 0)
+    # The context's state (increment_offset(4), or a graph call site under capture; _graph_rng.pxi)
+    # unless seed/offset were given.
+    _dropout_launch(context, xp, yp, <void*>mask_ptr, n, dtype, prob, mode, seed is not None, s, o,
+                    call.kernel, dev)
     call.finish()
     return y, m
 

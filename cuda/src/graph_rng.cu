@@ -311,7 +311,8 @@ void GraphRng::set_seed(uint64_t seed, cudaStream_t stream) {
 GraphRngStats GraphRng::stats() const {
   const PhiloxSnapshot snap = philox_.snapshot();
   std::lock_guard<std::mutex> guard(shared_->mutex);
-  return {snap.seed, snap.epoch, snap.sites, shared_->live, static_cast<int64_t>(shared_->slabs.size()) * kSlabSlots};
+  return {snap.seed, snap.offset, snap.epoch, snap.sites, shared_->live,
+          static_cast<int64_t>(shared_->slabs.size()) * kSlabSlots};
 }
 
 }  // namespace inferctx

@@ -92,6 +92,7 @@ struct PhiloxSource {
 // Counters of a context's graph RNG state (host bookkeeping; no device read).
 struct GraphRngStats {
   uint64_t seed;
+  uint64_t offset;       // the next eager offset
   uint64_t epoch;        // set_seed calls so far
   uint64_t sites;        // call sites captured since the last set_seed
   int64_t live_sites;    // sites whose graph (or an executable graph of it) still exists
