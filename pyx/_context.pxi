@@ -43,7 +43,11 @@ cdef InferenceContext _create_context(int device):
     with nogil:
         ctx._handshake.reset(new CppEvent(d, False))
     # Another thread may have made one meanwhile: every caller gets the same object.
-    return <InferenceContext>_contexts.setdefault(d, ctx)
+    stored = _contexts.setdefault(d, ctx)
+    if stored is ctx and not ctx._c.addresses_stable():
+        from inferctx import context
+        context._log_workspace_fallback(d, ctx._c.fallback_reason().decode("utf-8", "replace"))
+    return <InferenceContext>stored
 
 
 cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t producer,
@@ -155,11 +159,14 @@ cdef class InferenceContext:
                       reserve_bytes=None, memory_limit_bytes=None, memory_fraction=None):
         """Plans the workspace against the device's free memory (read now) and allocates it.
 
-        Takes ``plan_workspace``'s arguments except the memory figures, which it measures
-        (memory this context's workspace holds counts as free when no view of it is alive).
-        The allocation is reused when it is large enough; otherwise the new one is allocated
-        before the old is freed. On any failure the previous plan stays in force. Logs the plan
-        (logger "inferctx", INFO, rank 0 only) when it changes.
+        Takes ``plan_workspace``'s arguments except the memory figures, which it measures.
+        When ``addresses_stable``, memory the workspace holds counts as free, the workspace is
+        kept when large enough and otherwise grown in place (same address: views stay valid),
+        and the exact policy's bytes are whole multiples of ``allocation_granularity``. Under the
+        cudaMalloc fallback, memory the workspace holds counts as free when no view of it is
+        alive, and a larger plan gets a new allocation (made before the old is freed). On any
+        failure the previous plan stays in force with its workspace. Logs the plan (logger
+        "inferctx", INFO, rank 0 only) when it changes.
 
         Returns
         -------
@@ -182,6 +189,7 @@ cdef class InferenceContext:
         cdef WorkspacePlan p
         with nogil:
             p = self._c.gen_workspace(request)
+        _note_released(self)
         old = self._plan
         if (same and self._plan_args is self._last_args and p.request.free_bytes == old.free_bytes
                 and p.request.total_bytes == old.total_bytes):
@@ -291,22 +299,82 @@ cdef class InferenceContext:
         """Views of the workspace alive now (DeviceViews, DLPack capsules, arrays made from them)."""
         return self._c.views_alive()
 
-    def release_workspace(self, force=False):
-        """Frees the workspace, keeping the plan.
+    @property
+    def addresses_stable(self):
+        """True when the workspace keeps its addresses across release and retake.
 
-        With views of it alive this raises WorkspaceInUseError, unless ``force=True``: the context
-        then forgets the allocation now and the last view frees it.
+        That is the case where the device supports CUDA virtual memory management: the
+        workspace lives in an address range reserved for the context's lifetime, and release
+        returns only the memory behind it. False under the cudaMalloc fallback (no support, or
+        ``INFERCTX_DISABLE_VMM=1`` in the environment when the context was created; logged
+        once on logger "inferctx"), where each retake gets a new address.
+        """
+        return self._c.addresses_stable()
+
+    @property
+    def allocation_granularity(self):
+        """Bytes the workspace's memory is mapped in (2 MiB on current GPUs; 0 under the
+        cudaMalloc fallback). The exact policy's ``workspace_bytes`` are a multiple of it."""
+        return self._c.allocation_granularity()
+
+    @property
+    def host_copy_bytes(self):
+        """Page-locked host memory held for ``release_workspace(keep_contents=True)`` (0: none)."""
+        return self._c.host_copy_bytes()
+
+    def release_workspace(self, force=False, *, keep_contents=False):
+        """Gives the workspace's device memory back, keeping the plan.
+
+        It first waits for all work queued on the device (``cudaDeviceSynchronize``, as
+        ``cudaFree`` does), since any stream or captured graph may still use the workspace.
+        Nothing to do when no workspace is held.
+
+        When ``addresses_stable``, the memory is unmapped and its addresses stay reserved:
+        views, DLPack capsules, tensors made from them and CUDA graphs captured on them stay
+        alive and are valid again after ``retake_workspace()``. Until then nothing may touch
+        those addresses (an illegal memory access, fatal to the process's CUDA context): new
+        exports of the views and kernel launches on them raise WorkspaceStateError, and a
+        consumer holding an old pointer (a torch tensor, a CuPy array, a graph) must not use
+        it. Views alive are no obstacle, and ``force`` changes nothing.
+
+        Under the cudaMalloc fallback the memory is freed: with views alive this raises
+        WorkspaceInUseError, unless ``force=True``, which detaches the allocation (the last view
+        frees it) and the retake gets a new one.
+
+        Parameters
+        ----------
+        force : bool
+            Under the cudaMalloc fallback, release although views are alive.
+        keep_contents : bool
+            Copy the workspace's bytes to page-locked host memory first, and back at the retake
+            (byte for byte; a KV cache survives). The host memory is kept for the next such
+            release (pinning it costs more than the copy) until a release without
+            ``keep_contents``; ``host_copy_bytes`` says how much it is.
         """
         cdef bint f = _bool_arg(force, "force")
-        with nogil:
-            self._c.release_workspace(f)
+        cdef bint keep = _bool_arg(keep_contents, "keep_contents")
+        try:
+            with nogil:
+                self._c.release_workspace(f, keep)
+        finally:
+            _note_released(self)
 
     def retake_workspace(self):
-        """Allocates the released workspace again for the plan in force; False when out of memory."""
-        cdef bint ok
-        with nogil:
-            ok = self._c.retake_workspace()
-        return ok
+        """Takes the released workspace back for the plan in force; returns True.
+
+        When ``addresses_stable``, memory is mapped at the same addresses as before, so every
+        view, capsule, tensor and graph made before the release is valid again; under the
+        cudaMalloc fallback it is a new allocation. Contents kept by
+        ``release_workspace(keep_contents=True)`` are back when this returns. Raises
+        WorkspaceOOMError when the device memory cannot be had; the context then stays
+        released with its plan (and the kept contents), and a later call may succeed.
+        """
+        try:
+            with nogil:
+                self._c.retake_workspace()
+        finally:
+            _note_released(self)
+        return True
 
     # -- tokens and the Philox state -------------------------------------------------------
     @property

@@ -55,6 +55,7 @@ cdef extern from "inferctx/memory.hpp" namespace "inferctx" nogil:
         void* data()
         int64_t size()
         int device()
+        bool accessible()
 
     cdef cppclass PinnedAllocation:
         PinnedAllocation(int64_t bytes) except +raise_inferctx_error
@@ -155,8 +156,14 @@ cdef extern from "inferctx/context.hpp" namespace "inferctx" nogil:
         int64_t max_token_length()
         bool released()
         int64_t views_alive()
-        void release_workspace(bool force) except +raise_inferctx_error
+        void release_workspace(bool force, bool keep_contents) except +raise_inferctx_error
         bool retake_workspace() except +raise_inferctx_error
+        bool addresses_stable()
+        const string& fallback_reason()
+        int64_t allocation_granularity()
+        int64_t held_bytes()
+        int64_t host_copy_bytes()
+        bool in_released_range(const void* p, int64_t bytes)
 
         int64_t current_tokens()
         void advance_tokens(int64_t n) except +raise_inferctx_error

@@ -55,6 +55,7 @@ cdef CudaArray _cuda_array(uintptr_t ptr, tuple shape, tuple strides, int dtype,
     cdef int64_t size = 1
     for n in shape:
         size *= <int64_t>n
+    _require_mapped(ptr, size * _DTYPE_ITEMSIZE[dtype], device)
     a.ptr = ptr
     a.shape = shape
     a.strides = strides

@@ -248,6 +248,7 @@ cdef class DeviceView:
         ``ctx.stream``. It returns at once; ``pinned.synchronize()`` waits for it (reading the
         buffer through NumPy or DLPack waits too).
         """
+        _require_accessible(self, "copy_to_host")
         cdef PinnedBuffer host = _pinned_arg(pinned, self._nbytes, "pinned")
         cdef uintptr_t producer = _ctx_stream(self._ctx)
         cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
@@ -264,6 +265,7 @@ cdef class DeviceView:
         and ``ctx.stream`` after it, so kernels queued later see the data. The buffer must stay
         unchanged until ``pinned.synchronize()`` returns.
         """
+        _require_accessible(self, "copy_from_host")
         cdef PinnedBuffer host = _pinned_arg(pinned, self._nbytes, "pinned")
         host._wait_copies()
         cdef uintptr_t producer = _ctx_stream(self._ctx)
@@ -303,6 +305,7 @@ cdef class DeviceView:
         (1, 0) or newer. ``dl_device=(1, 0)`` (the CPU) gives a synchronous host copy flagged
         IS_COPIED (refused with ``copy=False``); ``copy=True`` on the GPU gives a device copy.
         """
+        _require_accessible(self, "__dlpack__")
         cdef bint versioned = _wants_versioned(max_version)
         cdef int mode = _copy_mode(copy)
         cdef tuple target = _dl_device_arg(dl_device)
@@ -349,6 +352,7 @@ cdef class DeviceView:
         """Version 3 of the CUDA array interface; "stream" is ``ctx.stream``, which a consumer
         must synchronise with (CuPy and Numba do). The consumer's own streams are not known, so
         a pool block exported this way is freed after a device-wide synchronisation."""
+        _require_accessible(self, "__cuda_array_interface__")
         typestr = _DTYPE_TYPESTRS[self._dtype]
         if typestr is None:
             raise TypeError(

@@ -22,3 +22,13 @@ def _log_plan(plan, device: int) -> None:
         return
     logger.info("cuda:%d: workspace of %s for %d tokens (bound by %s)\n%s", device,
                 human_bytes(plan.workspace_bytes), plan.max_tokens, plan.bound_by, plan)
+
+
+def _log_workspace_fallback(device: int, reason: str) -> None:
+    """Logs, once per device (when its context is made), that the workspace is a cudaMalloc
+    allocation whose address changes at every retake, and why."""
+    level = logging.INFO if reason.startswith("INFERCTX_DISABLE_VMM") else logging.WARNING
+    logger.log(level, "cuda:%d: the workspace is a cudaMalloc allocation, not CUDA virtual memory (%s): "
+               "release_workspace() frees it and retake_workspace() allocates a new one at another "
+               "address, so views must be dropped before a release and CUDA graphs captured again "
+               "after it (InferenceContext.addresses_stable is False)", device, reason)
