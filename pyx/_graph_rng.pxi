@@ -32,9 +32,11 @@ def graph_rng_state(ctx=None):
       ``set_seed`` after capture applies to later replays).
     - ``offset``: the next eager offset (``rng_state[1]``); eager offsets stay below 2**63.
     - ``epoch``: ``set_seed`` calls so far; each one restarts every graph at replay 0.
-    - ``sites``: call sites captured into CUDA graphs since the last ``set_seed``. Site ``k``,
-      replay ``r`` draws element ``i`` from ``curand_init(seed, k * 2**40 + i // 4, 2**63 + 4 * r)``
-      (dropout), so the next capture takes site ``sites``.
+    - ``sites``: call sites captured into CUDA graphs on this context (never reset, so a graph
+      captured after ``set_seed`` cannot repeat a live one's numbers). Site ``k``, replay ``r``
+      (replays since the site's capture or the last ``set_seed``) draws element ``i`` from
+      ``curand_init(seed, k * 2**36 + i // 4, 2**63 + 4 * r)`` (dropout); the next capture takes
+      site ``sites``.
     - ``live_sites``: sites whose graph (or an executable graph of it) still exists.
     - ``slots``: device slots allocated for sites (reused once their graph is destroyed).
     """

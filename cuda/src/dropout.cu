@@ -93,7 +93,7 @@ struct GraphPhiloxParams {
   const GraphRngSlot* slot;
   uint64_t uid;
   uint64_t counters_per_replay;  // the site's offset step / 4
-  uint32_t site_word;            // site << 8: subsequence (site << 40) + i / 4 has top word site_word | hi32(i / 4)
+  uint32_t site_word;            // site << 4: subsequence (site << 36) + i / 4 has top word site_word | hi32(i / 4)
 };
 
 // Source: PhiloxConstants (eager) or GraphPhiloxParams (captured).
@@ -108,7 +108,7 @@ struct ForwardParams {
 // The Philox inputs of a call: the parameter-space constants themselves (eager), or, for a
 // captured call, those of replay r of its site: counter (2^63 + step * r) / 4, key = the seed read
 // now, and the site's subsequence band folded into round 1's z word (z = r1_z ^ hi32(subsequence)
-// and site_word's bits are above those of hi32(i / 4) < 2^8).
+// and site_word's bits are above those of hi32(i / 4) < 2^4).
 __device__ __forceinline__ const PhiloxConstants& philox_inputs(const PhiloxConstants& c) { return c; }
 
 __device__ __forceinline__ PhiloxRegisters philox_inputs(const GraphPhiloxParams& g) {
@@ -653,12 +653,12 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
                           "increment_offset)");
   if (source.captured) {
     const GraphPhilox& g = source.graph;
-    if (g.header == nullptr || g.slot == nullptr || g.uid == 0 || g.site >= kGraphSitesPerSeed || g.step == 0 ||
+    if (g.header == nullptr || g.slot == nullptr || g.uid == 0 || g.site >= kGraphSites || g.step == 0 ||
         g.step % 4 != 0 || g.step > kGraphMaxStep)
-      invalid("site", "is not a call site taken by GraphRng::capture (null state, uid 0, site past 2^24 or a step "
+      invalid("site", "is not a call site taken by GraphRng::capture (null state, uid 0, site past 2^28 or a step "
                       "that is not a multiple of 4 in [4, 2^62])");
     if (n > kGraphMaxElements)
-      invalid("n", "got " + std::to_string(n) + "; a call captured into a CUDA graph draws for at most 2^42 elements");
+      invalid("n", "got " + std::to_string(n) + "; a call captured into a CUDA graph draws for at most 2^38 elements");
   }
   const MaskMode mode = static_cast<MaskMode>(mask_mode);
   if (n == 0) return;

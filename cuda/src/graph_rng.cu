@@ -250,7 +250,7 @@ GraphPhilox GraphRng::capture(cudaStream_t stream, uint64_t increment) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Numbers are taken last, once nothing can fail, so that a failed capture leaves the sequence
   // as it was; only the limit is checked first.
-  if (philox_.snapshot().sites >= kGraphSitesPerSeed) philox_.capture_site();  // throws ConfigError("site")
+  if (philox_.snapshot().sites >= kGraphSites) philox_.capture_site();  // throws ConfigError("site")
   ensure_slot_locked();
 
   GraphRngSlot* slot = nullptr;

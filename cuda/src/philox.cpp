@@ -30,10 +30,11 @@ std::pair<uint64_t, uint64_t> PhiloxState::increment_offset(uint64_t increment) 
 
 GraphSite PhiloxState::capture_site() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (sites_ >= kGraphSitesPerSeed) {
+  if (sites_ >= kGraphSites) {
     throw ConfigError("site", "site: " + std::to_string(sites_) +
-                                  " call sites were captured into CUDA graphs since the last set_seed, the most one "
-                                  "seed numbers (2^24); call set_seed to start a new sequence");
+                                  " call sites were captured into CUDA graphs on this context, the most it numbers "
+                                  "(2^28, each with its own band of Philox subsequences); capture fewer call sites "
+                                  "(reuse captured graphs)");
   }
   return GraphSite{seed_, epoch_, sites_++};
 }
@@ -42,7 +43,6 @@ void PhiloxState::set_seed(uint64_t seed) {
   std::lock_guard<std::mutex> lock(mutex_);
   seed_ = seed;
   offset_ = 0;
-  sites_ = 0;
   ++epoch_;
 }
 

@@ -165,33 +165,34 @@ TEST_CASE("graph arithmetic: offsets, steps, replay limits and subsequence bands
   CHECK_EQ(graph_offset(graph_max_replays(4) - 1), uint64_t{18446744073709551612ull});
   CHECK_EQ(graph_max_replays(uint64_t{1} << 62), uint64_t{2});
   CHECK_EQ(graph_offset(1, uint64_t{1} << 62), uint64_t{13835058055282163712ull});  // 2^63 + 2^62
-  // Site k owns subsequences [k * 2^40, (k + 1) * 2^40); the last site's band ends at 2^64 - 1.
+  // Site k owns subsequences [k * 2^36, (k + 1) * 2^36); the last site's band ends at 2^64 - 1.
   CHECK_EQ(graph_subsequence_base(0), uint64_t{0});
-  CHECK_EQ(graph_subsequence_base(1), uint64_t{1099511627776ull});
-  CHECK_EQ(graph_subsequence_base(kGraphSitesPerSeed - 1) + ((uint64_t{1} << 40) - 1), uint64_t{18446744073709551615ull});
-  CHECK_EQ(kGraphSitesPerSeed, uint64_t{16777216});
-  CHECK_EQ(kGraphMaxElements, int64_t{4398046511104});  // 2^42: i / 4 < 2^40
+  CHECK_EQ(graph_subsequence_base(1), uint64_t{68719476736ull});
+  CHECK_EQ(graph_subsequence_base(3), uint64_t{206158430208ull});
+  CHECK_EQ(graph_subsequence_base(kGraphSites - 1) + ((uint64_t{1} << 36) - 1), uint64_t{18446744073709551615ull});
+  CHECK_EQ(kGraphSites, uint64_t{268435456});
+  CHECK_EQ(kGraphMaxElements, int64_t{274877906944});  // 2^38: i / 4 < 2^36
 }
 
 TEST_CASE("graph arithmetic: the site folds into the subsequence's top word without carries") {
-  // The kernels form hi32(k * 2^40 + i / 4) as (k << 8) ^ hi32(i / 4): exact while i / 4 < 2^40.
+  // The kernels form hi32(k * 2^36 + i / 4) as (k << 4) ^ hi32(i / 4): exact while i / 4 < 2^36.
   std::mt19937_64& g = check::rng();
   int bad = 0;
   for (int t = 0; t < 100000; ++t) {
-    const uint64_t k = g() % kGraphSitesPerSeed;
-    const uint64_t s = g() % (uint64_t{1} << 40);
+    const uint64_t k = g() % kGraphSites;
+    const uint64_t s = g() % (uint64_t{1} << 36);
     const uint64_t sub = graph_subsequence_base(k) + s;
-    const uint32_t folded = static_cast<uint32_t>(k << 8) ^ static_cast<uint32_t>(s >> 32);
+    const uint32_t folded = static_cast<uint32_t>(k << 4) ^ static_cast<uint32_t>(s >> 32);
     if (static_cast<uint32_t>(sub >> 32) != folded || static_cast<uint32_t>(sub) != static_cast<uint32_t>(s)) ++bad;
-    // The (subsequence, offset) pairs of two different sites, or of eager and graph draws, differ.
-    const uint64_t k2 = (k + 1 + g() % (kGraphSitesPerSeed - 1)) % kGraphSitesPerSeed;
-    const uint64_t s2 = g() % (uint64_t{1} << 40);
+    // The subsequences of two different sites differ.
+    const uint64_t k2 = (k + 1 + g() % (kGraphSites - 1)) % kGraphSites;
+    const uint64_t s2 = g() % (uint64_t{1} << 36);
     if (graph_subsequence_base(k2) + s2 == sub) ++bad;
   }
   CHECK_EQ(bad, 0);
 }
 
-TEST_CASE("capture_site numbers sites from 0 per seed; set_seed restarts them and starts an epoch") {
+TEST_CASE("capture_site numbers sites from 0; set_seed starts an epoch and leaves the numbering") {
   PhiloxState s(11);
   PhiloxSnapshot z = s.snapshot();
   CHECK_EQ(z.seed, uint64_t{11});
@@ -212,34 +213,35 @@ TEST_CASE("capture_site numbers sites from 0 per seed; set_seed restarts them an
   PhiloxSnapshot m = s.snapshot();
   CHECK_EQ(m.offset, uint64_t{12});
   CHECK_EQ(m.sites, uint64_t{3});
-  s.set_seed(11);  // the same seed again: the same numbers again, in a new epoch
+  s.set_seed(11);  // the same seed again: eager offsets restart, site numbers do not
   PhiloxSnapshot r = s.snapshot();
   CHECK_EQ(r.seed, uint64_t{11});
   CHECK_EQ(r.offset, uint64_t{0});
-  CHECK_EQ(r.sites, uint64_t{0});
+  CHECK_EQ(r.sites, uint64_t{3});
   CHECK_EQ(r.epoch, uint64_t{1});
   GraphSite c = s.capture_site();
-  CHECK_EQ(c.site, uint64_t{0});
+  CHECK_EQ(c.site, uint64_t{3});
   CHECK_EQ(c.epoch, uint64_t{1});
   s.set_seed(12);
   CHECK_EQ(s.snapshot().epoch, uint64_t{2});
   CHECK_EQ(s.capture_site().seed, uint64_t{12});
 }
 
-TEST_CASE("the 2^24th site under one seed is a ConfigError that leaves the state; set_seed clears it") {
+TEST_CASE("site 2^28 is a ConfigError that leaves the state, set_seed or not") {
   PhiloxState s(3);
-  for (uint64_t i = 0; i + 1 < kGraphSitesPerSeed; ++i) s.capture_site();
-  CHECK_EQ(s.capture_site().site, kGraphSitesPerSeed - 1);
+  for (uint64_t i = 0; i + 1 < kGraphSites; ++i) s.capture_site();
+  CHECK_EQ(s.capture_site().site, kGraphSites - 1);
   try {
     s.capture_site();
     CHECK(false);
   } catch (const ConfigError& e) {
     CHECK(e.argument == "site");
-    CHECK(std::string(e.what()).find("set_seed") != std::string::npos);
+    CHECK(std::string(e.what()).find("2^28") != std::string::npos);
   }
-  CHECK_EQ(s.snapshot().sites, kGraphSitesPerSeed);
+  CHECK_EQ(s.snapshot().sites, kGraphSites);
   s.set_seed(3);
-  CHECK_EQ(s.capture_site().site, uint64_t{0});
+  CHECK_THROWS(ConfigError, s.capture_site());
+  CHECK_EQ(s.increment_offset(4).second, uint64_t{0});  // eager draws are unaffected
 }
 
 TEST_CASE("8 threads taking sites and offsets at once get unique, gap-free numbers of both") {

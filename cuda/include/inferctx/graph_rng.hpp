@@ -5,7 +5,7 @@
 // the context instead reads its Philox state from device memory at run time:
 //
 // - At capture (GraphRng::capture, on the host, once per call site): the site gets the next site
-//   number k of the context's PhiloxState (philox.hpp: subsequences k * 2^40 + i / 4), a slot of
+//   number k of the context's PhiloxState (philox.hpp: subsequences k * 2^36 + i / 4), a slot of
 //   device memory holding its replay counter, and a CUDA user object, retained by the graph being
 //   captured, that keeps the slot (and the context's device header) alive for as long as the
 //   graph or any executable graph instantiated from it exists.
@@ -30,8 +30,8 @@
 // the process, so that is the only time this happens.
 //
 // Capture-time errors (all before anything is captured for the call): a stream of another
-// device than the context's (ConfigError "stream"), a capture that is invalidated, 2^24 sites
-// under one seed (ConfigError "site"), and any failed CUDA call (CudaError). Device memory is
+// device than the context's (ConfigError "stream"), a capture that is invalidated, more than
+// 2^28 sites on one context (ConfigError "site"), and any failed CUDA call (CudaError). Device memory is
 // allocated at capture time, in slabs, under the relaxed capture mode so that a capture started
 // in the global mode (torch.cuda.graph's default) is not invalidated by cudaMalloc.
 #pragma once

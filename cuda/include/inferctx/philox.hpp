@@ -5,22 +5,23 @@
 // offset), dropout.hpp):
 //
 //   eager call (host state)          subsequence i / 4,              offset o < 2^63 (increment_offset)
-//   captured call site k, replay r   subsequence k * 2^40 + i / 4,   offset 2^63 + step * r
+//   captured call site k, replay r   subsequence k * 2^36 + i / 4,   offset 2^63 + step * r
 //
 // where step is the site's increment rounded up to a multiple of 4 (4 for dropout).
 //
 // The offset space is split at 2^63: eager calls take the lower half through the host counter
 // (unchanged cost), graph replays the upper half. A captured call site gets, at capture time, the
-// next site number k since the last set_seed; its 2^40-wide band of subsequences keeps it apart
-// from every other site (an array has fewer than 2^42 elements, so i / 4 < 2^40), and the replay
-// number r, a device-side counter that a node at the end of the captured work advances
-// (graph_rng.hpp), keeps its replays apart. So no two draws between two set_seed calls share a
-// (subsequence, offset) pair: eager ones differ from graph ones in offset bit 63, two sites in
-// their subsequence band, two replays of one site in the offset. Replays per site: 2^63 / step
-// (2^61 for dropout: 73 years at a replay per nanosecond); sites per seed: 2^24.
+// context's next site number k (never reused); its 2^36-wide band of subsequences keeps it apart
+// from every other site (a drawn array has at most 2^38 elements, so i / 4 < 2^36: 512 GiB of
+// fp16), and the replay number r, a device-side counter that a node after the captured kernel
+// advances (graph_rng.hpp), keeps its replays apart. So no two draws between two set_seed calls
+// share a (subsequence, offset) pair: eager ones differ from graph ones in offset bit 63, two
+// sites in their subsequence band, two replays of one site in the offset. Replays per site:
+// 2^63 / step (2^61 for dropout: 73 years at a replay per nanosecond); sites per context: 2^28.
 //
-// set_seed starts a new sequence for both: eager offset 0, site numbers from 0 again, and every
-// captured site's replay number back to 0 (the epoch changes; graph_rng.hpp). Same seed, same
+// set_seed starts a new sequence for both: eager offset 0, and every captured site's replay
+// number back to 0 with the new seed (the epoch changes; graph_rng.hpp). Site numbers go on (a
+// graph captured after set_seed must not repeat the numbers of one still alive). Same seed, same
 // eager calls and captures, same number of replays: same bits on any GPU.
 #pragma once
 
@@ -33,11 +34,11 @@ namespace inferctx {
 // First offset of the graph half of the offset space; eager offsets stay below it.
 constexpr uint64_t kGraphOffsetBase = uint64_t{1} << 63;
 // A captured site's subsequences start at site << kGraphSiteShift.
-constexpr int kGraphSiteShift = 40;
-// Site numbers per seed: site << 40 must keep the subsequence's top word free of i / 4's bits.
-constexpr uint64_t kGraphSitesPerSeed = uint64_t{1} << 24;
-// Elements of one array drawn under capture: i / 4 must stay below 2^40.
-constexpr int64_t kGraphMaxElements = int64_t{1} << 42;
+constexpr int kGraphSiteShift = 36;
+// Site numbers of a context: (site << 36) + i / 4 must fit in 64 bits.
+constexpr uint64_t kGraphSites = uint64_t{1} << 28;
+// Elements of one array drawn under capture: i / 4 must stay below 2^36.
+constexpr int64_t kGraphMaxElements = int64_t{1} << 38;
 // Largest offset step of a site (its increment rounded up to a multiple of 4).
 constexpr uint64_t kGraphMaxStep = uint64_t{1} << 62;
 
@@ -56,7 +57,7 @@ constexpr uint64_t graph_offset(uint64_t replay, uint64_t step = 4) { return kGr
 struct GraphSite {
   uint64_t seed;   // the seed in force at capture (replays read the current one, graph_rng.hpp)
   uint64_t epoch;  // set_seed calls so far
-  uint64_t site;   // k: sites captured since the last set_seed, before this one
+  uint64_t site;   // k: sites captured before this one
 };
 
 // The whole state, read together.
@@ -64,7 +65,7 @@ struct PhiloxSnapshot {
   uint64_t seed;
   uint64_t offset;  // next eager offset
   uint64_t epoch;   // set_seed calls so far (0 for a new state)
-  uint64_t sites;   // call sites captured since the last set_seed
+  uint64_t sites;   // call sites captured so far (the next one's number)
 };
 
 class PhiloxState {
@@ -77,10 +78,10 @@ class PhiloxState {
   // belongs to graph replays; the state is then unchanged). An increment of 0 returns the
   // current offset without advancing it.
   std::pair<uint64_t, uint64_t> increment_offset(uint64_t increment);
-  // Numbers a new captured call site. ConfigError("site") once 2^24 sites were captured since
-  // the last set_seed (the state is then unchanged).
+  // Numbers a new captured call site. ConfigError("site") once 2^28 sites were captured (the
+  // state is then unchanged).
   GraphSite capture_site();
-  // Sets the seed, resets the offset and the site count to 0 and starts a new epoch.
+  // Sets the seed, resets the offset to 0 and starts a new epoch (site numbers go on).
   void set_seed(uint64_t seed);
   uint64_t seed() const;
   uint64_t offset() const;
