@@ -340,6 +340,8 @@ struct Attempt {
   std::string why;
 };
 
+std::string tokens_text(int64_t n) { return std::to_string(n) + (n == 1 ? " token" : " tokens"); }
+
 int64_t needed_tokens(const PlanRequest& r) { return std::max(r.min_out_tokens, r.prompt_len); }
 const char* needed_argument(const PlanRequest& r) {
   return r.prompt_len > r.min_out_tokens ? "prompt_len" : "min_out_tokens";
@@ -398,7 +400,8 @@ Attempt attempt(const PlanRequest& r) {
     overflow_error(r, need, needed_argument(r));
   }
   if (max_tokens < need) {
-    a.why = std::to_string(max_tokens) + " tokens fit, fewer than " + needed_argument(r) + "=" + std::to_string(need);
+    a.why = tokens_text(max_tokens) + (max_tokens == 1 ? " fits" : " fit") + ", fewer than " + needed_argument(r) +
+            "=" + std::to_string(need);
     return a;
   }
   layout(r, max_tokens, p);  // cannot overflow: fewer bytes than a layout that fits
@@ -499,7 +502,7 @@ WorkspacePlan plan_workspace(const PlanRequest& request) {
   const int64_t out_hint = best_out >= need ? best_out : -1;
 
   std::string msg = "workspace does not fit: " + a.why + "; needs " + human_bytes(a.requested) + " for " +
-                    std::to_string(need) + " tokens, free " + human_bytes(request.free_bytes) + " of " +
+                    tokens_text(need) + ", free " + human_bytes(request.free_bytes) + " of " +
                     human_bytes(request.total_bytes);
   if (request.weights_bytes > 0)
     msg += ", " + human_bytes(a.plan.planned_free_bytes) + " after the weights (" + human_bytes(request.weights_bytes) + ")";

@@ -12,6 +12,8 @@ module, and cuBLAS with it, on first use.
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from . import errors
@@ -44,11 +46,13 @@ _GPU_NAMES = {
     "gemm_cache_entries": "gemm",
 }
 
-if TYPE_CHECKING:
-    from ._core import apply_mask, dropout
-    from .context import DeviceView, Event, InferenceContext, PinnedBuffer, Stream
-    from .gemm import (autotune_gemm, bmm, clear_gemm_cache, gemm, gemm_cache_entries, load_gemm_cache,
-                       save_gemm_cache)
+if TYPE_CHECKING:  # what type checkers see: the lazy names, re-exported
+    from ._core import apply_mask as apply_mask, dropout as dropout
+    from .context import (DeviceView as DeviceView, Event as Event, InferenceContext as InferenceContext,
+                          PinnedBuffer as PinnedBuffer, Stream as Stream)
+    from .gemm import (autotune_gemm as autotune_gemm, bmm as bmm, clear_gemm_cache as clear_gemm_cache,
+                       gemm as gemm, gemm_cache_entries as gemm_cache_entries,
+                       load_gemm_cache as load_gemm_cache, save_gemm_cache as save_gemm_cache)
 
 
 def __getattr__(name: str) -> Any:
@@ -64,6 +68,20 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_GPU_NAMES))
+
+
+class _Package(types.ModuleType):
+    """The package's module type: the function gemm stays inferctx.gemm when the submodule
+    inferctx.gemm is imported (the import system would set the attribute to the submodule)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}"
+                and _GPU_NAMES.get(name) == name and hasattr(value, name)):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__, presets
+from .dtypes import dtype_name
 from .errors import ConfigError, InferCtxError, NoCudaDeviceError, WorkspaceOOMError, _brief
 from .planning import (ModelShape, WorkspacePlan, human_bytes, max_batch_size, max_out_tokens_for,
                        plan_workspace)
@@ -341,7 +342,7 @@ def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], 
     ax.plot([r[0] for r in rows], [r[1] for r in rows], marker="o")
     ax.set_xlabel("batch size")
     ax.set_ylabel("max tokens")
-    ax.set_title(f"{names['model']} on {names['memory']}, {kw['dtype']}: max tokens by batch size "
+    ax.set_title(f"{names['model']} on {names['memory']}, {dtype_name(kw['dtype'])}: max tokens by batch size "
                  f"(policy {kw['policy']})")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()

@@ -1,12 +1,17 @@
-"""The `inferctx` command line: output, JSON, sweeps, and one-line errors with exit code 2."""
+"""The `inferctx` command line: output, JSON, sweeps, answers, and one-line errors with exit code 2."""
 
+import io
 import json
 import subprocess
 import sys
 
 import pytest
 
+from inferctx import plan_workspace
 from inferctx.cli import main
+from inferctx.presets import gpu_preset, model_preset
+
+GIB, MIB = 1 << 30, 1 << 20
 
 
 def run(capsys, *argv):
@@ -15,11 +20,15 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def test_readme_command(capsys):
+def test_readme_command_counts_the_weights(capsys):
     code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h100-80gb", "--batch", "8",
                        "--max-tokens", "4096")
     assert code == 0
     assert "max tokens 4096" in out and "28,454,158,336 bytes" in out
+    # 6,738,415,616 parameters x 2 B = 12.55 GiB; free 81559 - 1242 MiB = 78.43 GiB; planned 65.88 GiB
+    assert "weights    12.55 GiB still to load (6,738,415,616 parameters x 2 B)" in out
+    assert "free 78.43 GiB of 79.65 GiB (GPU preset h100-80gb" in out
+    assert "against 65.88 GiB free after the weights" in out
 
 
 def test_json_output(capsys):
@@ -29,11 +38,74 @@ def test_json_output(capsys):
     assert code == 0
     d = json.loads(out)
     assert d["plan"]["max_tokens"] == 1367 and d["request"]["policy"] == "deepspeed"
+    assert d["request"]["weights_bytes"] == 0 and d["sources"]["weights"] == "none"
 
 
-def test_kv_heads_override(capsys):
+def test_json_has_the_weights_and_the_memory_planned_against(capsys):
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h100-80gb", "--json")
+    d = json.loads(out)
+    free = (81559 - 1242) * MIB
+    assert code == 0 and d["request"]["weights_bytes"] == 13_476_831_232 and d["request"]["free_bytes"] == free
+    assert d["plan"]["planned_free_bytes"] == free - 13_476_831_232
+    assert d["sources"]["memory"].startswith("GPU preset h100-80gb")
+
+
+@pytest.mark.parametrize("flags,weights", [
+    (["--gpu", "h200"], 13_476_831_232),                      # auto with a preset and a GPU preset
+    (["--gpu", "h200", "--weights", "none"], 0),
+    (["--gpu", "h200", "--weights-gb", "1.5"], 3 * GIB // 2),
+    (["--free-gb", "40"], 0),                                 # free memory given: taken as after loading
+    (["--free-gb", "40", "--weights", "auto"], 13_476_831_232),
+    (["--gpu", "h200", "--mp-size", "4"], 13_476_831_232 // 4),
+    (["--gpu", "h200", "--dtype", "fp32"], 26_953_662_464),
+])
+def test_weights_flags(capsys, flags, weights):
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--json", *flags)
+    assert code == 0 and json.loads(out)["request"]["weights_bytes"] == weights
+
+
+def test_weights_make_an_impossible_plan_an_error(capsys):
+    code, _, err = run(capsys, "plan", "--preset", "llama-3.1-405b", "--gpu", "rtx-4090")
+    assert code == 2 and "the weights (755.96 GiB) exceed free memory 22.78 GiB" in err and "--mp-size" in err
+    # the issue's example: 512 sequences of 8192 tokens no longer fill the whole H100
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h100-80gb", "--batch", "512",
+                       "--max-tokens", "8192", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["plan"]["bound_by"] == "memory"
+    assert d["plan"]["workspace_bytes"] + d["request"]["weights_bytes"] <= gpu_preset("h100-80gb").free_bytes
+
+
+def test_kv_heads_and_head_dim_override(capsys):
     code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--kv-heads", "8", "--gpu", "h200", "--json")
     assert code == 0 and json.loads(out)["request"]["num_kv_heads"] == 8
+    code, out, _ = run(capsys, "plan", "--layers", "28", "--heads", "16", "--hidden", "3072", "--head-dim", "256",
+                       "--free-gb", "40", "--max-tokens", "16", "--json")
+    # Gemma-7B's attention: activations 10 x 16 x 256 x 16 tokens x 2 B
+    assert code == 0 and json.loads(out)["plan"]["activations_bytes"] == 10 * 16 * 256 * 16 * 2
+
+
+def test_max_batch_and_most_tokens(capsys):
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h100-80gb", "--max-tokens", "4096",
+                       "--max-batch", "--json")
+    d = json.loads(out)
+    b = d["max_batch_size"]
+    assert code == 0 and d["plan"]["max_tokens"] == 4096 and d["request"]["batch_size"] == b > 1
+    kw = dict(prompt_len=1, max_out_tokens=4096, gpu="h100-80gb")
+    assert plan_workspace("llama-2-7b", batch_size=b, **kw).max_tokens == 4096
+    assert plan_workspace("llama-2-7b", batch_size=b + 1, **kw).max_tokens < 4096
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h100-80gb", "--batch", "8",
+                       "--most-tokens")
+    assert code == 0 and out.startswith("most tokens a batch of 8 holds: ")
+    m = int(out.split(":")[1].split()[0])
+    assert plan_workspace("llama-2-7b", batch_size=8, prompt_len=1, max_out_tokens=m, gpu="h100-80gb").max_tokens == m
+    small = plan_workspace("llama-2-7b", batch_size=8, prompt_len=1, max_out_tokens=m + 1, gpu="h100-80gb")
+    assert small.max_tokens < m + 1
+
+
+def test_max_batch_none_fits(capsys):
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-70b", "--free-gb", "2", "--max-tokens", "100000",
+                       "--max-batch")
+    assert code == 2 and "WorkspaceOOMError" in err and err.count("\n") == 1
 
 
 def test_sweep(capsys):
@@ -46,48 +118,184 @@ def test_sweep(capsys):
     assert tokens == sorted(tokens, reverse=True) and tokens[0] > tokens[-1] > 0
 
 
-def test_plot(capsys, tmp_path):
+def test_sweep_past_the_memory(capsys):
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "2", "--prompt-len", "1000",
+                       "--max-tokens", "2000", "--sweep-batch", "40", "--json")
+    rows = json.loads(out)
+    fit = [r for r in rows if r["bound_by"] != "does not fit"]
+    assert code == 0 and 0 < len(fit) < 40 and rows[len(fit)]["max_tokens"] == 0
+    assert all(r["bound_by"] == "does not fit" for r in rows[len(fit):])
+
+
+def test_plot_is_titled_with_model_gpu_and_dtype(capsys, tmp_path, monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    titles = []
+    original = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (titles.append(self.axes[0].get_title()),
+                                                                    original(self, *a, **k)))
     path = tmp_path / "curve.png"
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "3",
-                           "--plot", str(path))
-        assert code == 2 and "pip install 'inferctx[plot]'" in err
-        return
-    code, _, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "3",
-                     "--plot", str(path))
-    assert code == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--dtype", "bf16",
+                       "--sweep-batch", "3", "--plot", str(path))
+    assert code == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {path}" in out
+    assert titles == ["llama-2-7b on h200, bfloat16: max tokens by batch size (policy exact)"]
+
+
+def test_plot_without_matplotlib(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "3",
+                         "--plot", str(tmp_path / "x.png"))
+    assert code == 2 and "pip install 'inferctx[plot]'" in err and out == ""
+
+
+@pytest.mark.parametrize("path,needle", [
+    ("missing-folder/x.png", "does not exist"),
+    ("x.xyz", "extension .xyz; valid:"),
+    ("noext", "no extension"),
+])
+def test_plot_path_checked_before_anything_is_printed(capsys, tmp_path, path, needle):
+    pytest.importorskip("matplotlib")
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "3",
+                         "--plot", str(tmp_path / path))
+    assert code == 2 and needle in err and out == ""
 
 
 def test_presets_listing(capsys):
     code, out, _ = run(capsys, "presets")
-    assert code == 0 and "llama-2-70b" in out and "h100-80gb" in out
+    assert code == 0 and "llama-2-70b" in out and "h100-80gb" in out and "gemma-7b" in out and "6.74B" in out
     code, out, _ = run(capsys, "presets", "--json")
-    assert json.loads(out)["models"]["falcon-7b"]["num_kv_heads"] == 1
+    d = json.loads(out)
+    assert d["models"]["falcon-7b"]["num_kv_heads"] == 1 and d["models"]["gemma-7b"]["head_dim"] == 256
+    assert d["models"]["llama-2-7b"]["num_params"] == 6_738_415_616
+    assert d["gpus"]["h200"]["free_bytes"] == (143771 - 1242) * MIB
+
+
+GPU = ["plan", "--preset", "llama-2-7b", "--gpu", "h200"]
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["plan", "--preset", "nope", "--gpu", "h200"], "unknown model preset"),
     (["plan", "--preset", "llama-2-7b", "--gpu", "nope"], "unknown GPU preset"),
-    (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "x"], "--batch"),
-    (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "0"], "--batch: got 0"),
-    (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--dtype", "int4"], "dtype"),
-    (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--policy", "x"], "--policy"),
+    (GPU + ["--batch", "x"], "--batch: got 'x'; it must be a whole number"),
+    (GPU + ["--batch", "0"], "--batch: got 0"),
+    (GPU + ["--dtype", "int4"], "--dtype: got 'int4'"),
+    (GPU + ["--policy", "x"], "--policy"),
     (["plan", "--layers", "32", "--gpu", "h200"], "--hidden"),
     (["plan", "--preset", "llama-2-70b", "--gpu", "rtx-4090", "--batch", "64", "--prompt-len", "2048",
       "--max-tokens", "4096"], "WorkspaceOOMError"),
-    (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--free-gb", "3"], "not both"),
-    (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--plot", "x.png"], "--sweep-batch"),
+    (GPU + ["--free-gb", "3"], "not both"),
+    (GPU + ["--plot", "x.png"], "--sweep-batch"),
     (["frobnicate"], "invalid choice"),
+    # integers >= 2^63, in any integer flag
+    (GPU + ["--batch", str(2**63)], "--batch: got 9223372036854775808; it must be below 2**63"),
+    (GPU + ["--max-tokens", str(10**30)], "--max-tokens: got 1000000000000000000000000000000"),
+    (["plan", "--layers", str(2**64), "--heads", "1", "--hidden", "1", "--free-gb", "1"], "--layers: got"),
+    (GPU + ["--mp-size", str(2**63)], "--mp-size: got"),
+    (["plan", "--preset", "llama-2-7b", "--device", str(2**63)], "--device: got"),
+    # floats out of range in GiB flags: named in GiB
+    (["plan", "--preset", "llama-2-7b", "--free-gb", "inf"], "--free-gb: got 'inf'; it must be a finite number"),
+    (["plan", "--preset", "llama-2-7b", "--free-gb", "1e300"], "--free-gb: got '1e300'; it must be below"),
+    (["plan", "--preset", "llama-2-7b", "--free-gb", "8", "--memory-limit-gb", "inf"], "--memory-limit-gb"),
+    (["plan", "--preset", "llama-2-7b", "--free-gb", "8", "--reserve-gb", "1e999"], "--reserve-gb"),
+    (["plan", "--preset", "llama-2-7b", "--free-gb", "8", "--reserve-gb", "nan"], "--reserve-gb: got 'nan'"),
+    (["plan", "--preset", "llama-2-7b", "--free-gb", "8", "--reserve-gb", "-1"],
+     "--reserve-gb: got '-1'; it must be a number of GiB (>= 0)"),
+    (GPU + ["--memory-fraction", "nan"], "--memory-fraction"),
+    (GPU + ["--memory-fraction", "1.5"], "--memory-fraction: got '1.5'; it must be in (0, 1]"),
+    (["plan", "--preset", "llama-2-7b", "--free-gb", "9", "--total-gb", "8"], "at most --total-gb"),
+    # contradictions
+    (GPU + ["--device", "0"], "give either --gpu (a preset) or --device (a real GPU), not both"),
+    (["plan", "--preset", "llama-2-7b", "--device", "0", "--free-gb", "3"], "--device or --free-gb"),
+    (GPU + ["--batch", "2", "--sweep-batch", "3"], "give either --batch or --sweep-batch, not both"),
+    (GPU + ["--sweep-batch", "0"], "--sweep-batch: got 0; it must be >= 1"),
+    (GPU + ["--sweep-batch", "100000"], "--sweep-batch: got 100000; it must be at most 4096"),
+    (GPU + ["--sweep-batch"], "--sweep-batch: expected one argument"),
+    (GPU + ["--max-batch", "--batch", "3"], "--max-batch finds the batch size"),
+    (GPU + ["--most-tokens", "--max-tokens", "3"], "--most-tokens finds --max-tokens"),
+    (GPU + ["--max-batch", "--most-tokens"], "not both"),
+    (GPU + ["--weights", "auto", "--weights-gb", "3"], "give either --weights or --weights-gb"),
+    (["plan", "--layers", "2", "--heads", "2", "--hidden", "64", "--gpu", "h200"], "give --weights-gb N"),
+    (["plan", "--layers", "2", "--heads", "2", "--hidden", "64", "--free-gb", "2", "--weights", "auto"],
+     "--weights auto needs --preset"),
+    (GPU + ["--weights-gb", "-2"], "--weights-gb: got '-2'"),
+    # planner errors in flag names
+    (GPU + ["--mp-size", "3"], "--mp-size: num_heads=32 is not divisible by --mp-size=3"),
+    (GPU + ["--rank", "1"], "--rank: got 1; it must be in [0, --mp-size)"),
+    (GPU + ["--prompt-len", "5000"], "--prompt-len=5000 exceeds --max-tokens=2048"),
+    (["plan", "--layers", "32", "--heads", "32", "--hidden", "4100", "--free-gb", "8"],
+     "--hidden=4100 is not divisible by --heads=32; give --head-dim"),
+    (GPU + ["--policy", "deepspeed", "--memory-limit-gb", "3"], "--memory-limit-gb: applies to the exact policy"),
+    (["plan", "--preset", "llama-2-7b", "--free-gb", "3", "--reserve-gb", "3"],
+     "is not more than the reserve of 3.00 GiB (--reserve-gb)"),
+    (["plan", "--layers", str(2**40), "--heads", "1", "--hidden", "128", "--free-gb", "8", "--batch",
+      str(2**40)], "--batch: --batch=1099511627776 makes the workspace byte count overflow"),
 ])
 def test_errors_are_one_line_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
-    assert code == 2
+    assert code == 2 and out == ""
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+    assert "_bytes" not in err  # keyword names are the Python API's, not the command's
+
+
+def test_no_gpu_message_speaks_cli(capsys):
+    from conftest import gpu_available
+
+    if gpu_available()[0]:
+        pytest.skip("a GPU is present: the device is read")
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b")
+    assert code == 2 and "give --gpu PRESET" in err and "--free-gb N" in err and "free_bytes" not in err
+    # argument errors come first
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--mp-size", "3")
+    assert code == 2 and "--mp-size" in err and "CUDA" not in err
+
+
+def test_long_inputs_are_clipped(capsys):
+    code, _, err = run(capsys, "plan", "--preset", "x" * 1_000_000, "--gpu", "h200")
+    assert code == 2 and len(err) < 1000 and "1,000,000 characters" in err
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--policy", "y" * 100_000)
+    assert code == 2 and len(err) < 1000
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "9" * 10_000)
+    assert code == 2 and len(err) < 1000 and "--batch" in err
+
+
+def test_version_and_bare_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == "inferctx 0.1.0"
+    code, out, err = run(capsys)
+    assert code == 2 and out == "" and err.startswith("usage: inferctx") and "give a command" in err
+
+
+def test_closed_pipe_is_quiet(monkeypatch, capsys):
+    class ClosedPipe(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            raise OSError("no file descriptor")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["presets", "--json"]) == 0
+
+
+def test_closed_pipe_in_a_shell():
+    r = subprocess.run(f"{sys.executable} -m inferctx presets --json | head -n 1", shell=True,
+                       capture_output=True, text=True)
+    assert r.stdout == "{\n" and r.stderr == ""
 
 
 def test_console_script_and_module_entry():
     r = subprocess.run([sys.executable, "-m", "inferctx", "plan", "--preset", "mistral-7b", "--gpu", "l40s",
                         "--batch", "0"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("inferctx: ") and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "inferctx", "plan", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--weights-gb" in r.stdout and "1242 MiB" in r.stdout
+
+
+def test_preset_shapes_are_what_the_cli_plans(capsys):
+    code, out, _ = run(capsys, "plan", "--preset", "gemma-7b", "--free-gb", "40", "--json")
+    d = json.loads(out)["request"]
+    s = model_preset("gemma-7b")
+    assert code == 0 and (d["num_heads"], d["head_dim"], d["hidden_dim"]) == (s.num_heads, 256, 3072)

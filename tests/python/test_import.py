@@ -1,0 +1,87 @@
+"""`import inferctx` and planning load no CUDA library; the GPU names load it on first use."""
+
+import json
+import subprocess
+import sys
+
+import inferctx
+
+PROBE = """
+import json, sys
+def loaded():
+    maps = open('/proc/self/maps').read()
+    return {'modules': sorted(m for m in sys.modules if 'cublas' in m or m in ('inferctx._core', 'inferctx.gemm',
+                                                                          'inferctx.context')),
+            'libraries': sorted({line.split()[-1] for line in maps.splitlines()
+                                 if any(lib in line for lib in ('libcublas', 'libcudart', 'libcuda.so',
+                                                                'libnvrtc', 'libcurand'))})}
+"""
+
+
+def probe(body):
+    r = subprocess.run([sys.executable, "-c", PROBE + body], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_import_and_planning_load_no_cuda_library():
+    out = probe("""
+import inferctx, inferctx.cli
+before = loaded()
+inferctx.plan_workspace('llama-2-7b', batch_size=8, prompt_len=1, max_out_tokens=4096, gpu='h100-80gb')
+inferctx.max_batch_size('llama-2-7b', max_out_tokens=4096, gpu='h200')
+inferctx.max_out_tokens_for('gemma-7b', batch_size=4, free_bytes=40 << 30, total_bytes=80 << 30)
+inferctx.cli.main(['plan', '--preset', 'llama-2-7b', '--gpu', 'h200', '--json'])
+inferctx.cli.main(['presets'])
+print(json.dumps({'before': before, 'after': loaded()}))
+""")
+    assert out["before"] == out["after"] == {"modules": [], "libraries": []}
+
+
+def test_gpu_names_load_the_gpu_module_and_cublas_on_first_use():
+    out = probe("""
+import inferctx
+before = loaded()
+inferctx.InferenceContext
+print(json.dumps({'before': before, 'after': loaded()}))
+""")
+    assert out["before"] == {"modules": [], "libraries": []}
+    assert "inferctx._core" in out["after"]["modules"] and "inferctx.context" in out["after"]["modules"]
+    assert any("libcublas.so" in lib for lib in out["after"]["libraries"])
+
+
+def test_importing_a_gpu_module_directly_preloads_cublas_first():
+    out = probe("""
+import inferctx._libs as libs
+assert not libs._done
+import inferctx.gemm
+print(json.dumps({'preloaded': libs._done, **loaded()}))
+""")
+    assert out["preloaded"] is True and "inferctx._core" in out["modules"]
+
+
+def test_lazy_names_are_the_gpu_modules_names():
+    import importlib
+
+    _core, context, gemm = (importlib.import_module(f"inferctx.{m}") for m in ("_core", "context", "gemm"))
+
+    lazy = inferctx._GPU_NAMES
+    assert {n for n, m in lazy.items() if m == "gemm"} == set(gemm.__all__)
+    assert {n for n, m in lazy.items() if m == "context"} == set(context.__all__) - {"logger"}
+    for name, module in lazy.items():
+        assert getattr(inferctx, name) is getattr({"gemm": gemm, "context": context, "_core": _core}[module], name)
+        assert name in dir(inferctx) and name in inferctx.__all__
+
+
+def test_gemm_stays_the_function_after_its_module_is_imported():
+    out = subprocess.run([sys.executable, "-c", "import inferctx.gemm, inferctx, sys; "
+                          "print(callable(inferctx.gemm), type(inferctx.gemm).__name__, "
+                          "type(sys.modules['inferctx.gemm']).__name__)"], capture_output=True, text=True)
+    assert out.stdout.split() == ["True", "function", "module"], out.stderr
+
+
+def test_unknown_attribute():
+    import pytest
+
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        inferctx.nope  # noqa: B018

@@ -1,0 +1,39 @@
+"""The public API type-checks: mypy --strict on a user's script (tests/python/typing/user_script.py)
+that plans, catches the errors by their fields, and uses the GPU names (never run, only checked)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "typing" / "user_script.py"
+
+
+def mypy(tmp_path, source):
+    pytest.importorskip("mypy", reason="mypy is in the test extra: pip install '.[test]'")
+    script = tmp_path / "user_script.py"
+    script.write_text(source)
+    # run outside the repository, so that the installed package (with py.typed) is checked
+    return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(script)],
+                          capture_output=True, text=True, cwd=tmp_path)
+
+
+def test_user_script_passes_mypy_strict(tmp_path):
+    r = mypy(tmp_path, SCRIPT.read_text())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Success: no issues found" in r.stdout
+
+
+def test_mypy_sees_wrong_uses(tmp_path):
+    # The same checker refuses a misuse: the stubs carry real types, not Any everywhere.
+    r = mypy(tmp_path, "import inferctx\n"
+                       "x: str = inferctx.plan_workspace('llama-2-7b', batch_size=1, prompt_len=1,\n"
+                       "                                 max_out_tokens=4, gpu='h200').max_tokens\n"
+                       "e = inferctx.WorkspaceOOMError('m')\n"
+                       "y: str = e.max_batch_size\n"
+                       "inferctx.gemm(1, 2, alpha='x')\n")
+    assert r.returncode == 1
+    assert r.stdout.count("error:") == 3, r.stdout
+    shutil.rmtree(tmp_path / ".mypy_cache", ignore_errors=True)
