@@ -1,7 +1,9 @@
 // Allocation failures on a GPU: a failed cudaMalloc, retake_workspace without room, and a
-// regrow that only fits once the old workspace is freed. These take (nearly) all device memory
-// for a moment, so they are a file of their own: run it alone, not beside other GPU work, and
-// under compute-sanitizer with --report-api-errors no (the failed cudaMalloc calls are the point).
+// regrow that only fits once the old workspace is freed (or, under CUDA virtual memory, grows in
+// place). These take (nearly) all device memory for a moment, so they are a file of their own:
+// run it alone, not beside other GPU work, and under compute-sanitizer with --report-api-errors
+// no (the failed allocations are the point). ctest runs it twice, the second time as
+// test_context_oom_cudamalloc with INFERCTX_DISABLE_VMM=1.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,6 +14,7 @@
 
 #include "check.hpp"
 #include "device_memory.cuh"
+#include "pattern.cuh"
 #include "inferctx/context.hpp"
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
@@ -93,24 +96,62 @@ TEST_CASE("a cudaMalloc that cannot succeed: CudaError with call, code, device; 
   CHECK(after.data() != nullptr);
 }
 
-TEST_CASE("retake_workspace without room returns false and stays released") {
+TEST_CASE("retake without room: WorkspaceOOMError, the context stays released, kept contents survive") {
   auto ctx = InferenceContext::instance(kDevice);
   WorkspacePlan p = ctx->gen_workspace(request_224mib());
   CHECK_EQ(p.workspace_bytes, int64_t{224} << 20);
-  ctx->release_workspace(false);
+  std::shared_ptr<DeviceAllocation> view = ctx->workspace();
+  void* address = view->data();
+  const int64_t size = view->size();
+  test_pattern::fill(address, size, 1401, ctx->stream());
+  // Under virtual memory the view may stay through the release; under cudaMalloc it must go.
+  if (!ctx->addresses_stable()) view.reset();
+  ctx->release_workspace(false, true);
+  CHECK(ctx->released());
+  CHECK_EQ(ctx->host_copy_bytes(), size);
   {
     Hog hog(int64_t{64} << 20);
     CHECK(free_memory() < p.workspace_bytes);
-    CHECK(!ctx->retake_workspace());
+    try {
+      ctx->retake_workspace();
+      CHECK(false);
+    } catch (const WorkspaceOOMError& e) {
+      CHECK_EQ(e.requested_bytes, ctx->addresses_stable() ? size : p.workspace_bytes);
+      CHECK(e.free_bytes < e.requested_bytes);
+      CHECK(std::string(e.what()).find("stays released") != std::string::npos);
+      CHECK(std::string(e.what()).find("host memory") != std::string::npos);
+    }
     CHECK(ctx->released());
     CHECK_THROWS(WorkspaceStateError, ctx->workspace());
+    CHECK_EQ(ctx->plan().workspace_bytes, p.workspace_bytes);
+    CHECK_EQ(ctx->held_bytes(), int64_t{0});
+    CHECK_EQ(ctx->host_copy_bytes(), size);
+    if (ctx->addresses_stable()) {
+      CHECK(!view->accessible());
+      CHECK(ctx->in_released_range(address, 1));
+      CHECK_EQ(ctx->views_alive(), int64_t{1});
+    }
+    // A new plan cannot be had either, and that too leaves the context as it was.
+    CHECK_THROWS(WorkspaceOOMError, ctx->gen_workspace(request_224mib()));
+    CHECK(ctx->released());
     CHECK_EQ(ctx->plan().workspace_bytes, p.workspace_bytes);
     CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
   }
   CHECK(ctx->retake_workspace());
   CHECK(!ctx->released());
-  CHECK_EQ(ctx->workspace()->size(), p.workspace_bytes);
+  CHECK_EQ(ctx->held_bytes(), ctx->addresses_stable() ? size : p.workspace_bytes);
+  if (ctx->addresses_stable()) {
+    CHECK(ctx->workspace() == view);
+    CHECK(view->accessible());
+    CHECK(!ctx->in_released_range(address, 1));
+  }
+  // The bytes kept through the failed retake are all back.
+  CHECK_EQ(test_pattern::mismatches(ctx->workspace()->data(), p.workspace_bytes, 1401, ctx->stream()), int64_t{0});
   CHECK(writable(*ctx->workspace(), ctx->stream(), 0x61));
+  view.reset();
+  ctx->release_workspace(false);  // without keep_contents: the host copy goes too
+  CHECK_EQ(ctx->host_copy_bytes(), int64_t{0});
+  CHECK(ctx->retake_workspace());
 }
 
 TEST_CASE("a regrow that fits only in place of the old workspace: freed first, or restored") {
@@ -132,15 +173,18 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
   r.has_reserve = true;
   r.reserve_bytes = 0;
   const int64_t free_before = free_memory();
+  void* old_address = ctx->workspace()->data();
   try {
     WorkspacePlan big = ctx->gen_workspace(r);
-    std::printf("  (path taken: the old workspace was freed, then %lld bytes allocated)\n",
+    std::printf("  (path taken: %s, %lld bytes in all)\n",
+                ctx->addresses_stable() ? "grown in place" : "the old workspace was freed, then allocated",
                 static_cast<long long>(big.workspace_bytes));
     CHECK(big.bound_by == "memory");
     CHECK(big.request.free_bytes >= free_before + old_bytes - (int64_t{8} << 20));
     CHECK(big.workspace_bytes > free_before);  // only possible without the old workspace
     CHECK(!ctx->released());
     CHECK_EQ(ctx->workspace()->size(), big.workspace_bytes);
+    if (ctx->addresses_stable()) CHECK(ctx->workspace()->data() == old_address);
     CHECK(writable(*ctx->workspace(), ctx->stream(), 0x71));
   } catch (const WorkspaceOOMError& e) {
     std::printf("  (path taken: the allocation failed after freeing the old workspace: %s)\n", e.what());
@@ -153,6 +197,7 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
       CHECK(ctx->retake_workspace());
     }
     CHECK_EQ(ctx->workspace()->size(), old_bytes);
+    if (ctx->addresses_stable()) CHECK(ctx->workspace()->data() == old_address);
     CHECK(writable(*ctx->workspace(), ctx->stream(), 0x72));
   }
   CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
@@ -164,31 +209,38 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
   CHECK(writable(*ctx->workspace(), ctx->stream(), 0x73));
 }
 
-TEST_CASE("with a view alive the old workspace cannot make room: OOM, previous plan kept") {
+TEST_CASE("with a view alive: grown in place (virtual memory), or OOM with the previous plan kept") {
   auto ctx = InferenceContext::instance(kDevice);
   ctx->release_workspace(false);
   WorkspacePlan old_plan = ctx->gen_workspace(request_224mib());
   auto view = ctx->workspace();
-  // With a view alive the planner no longer counts the old workspace as free, so the same
-  // request as above plans within the memory beside it; the allocation then either fits or
-  // fails, and a failure must leave the old plan and allocation in place.
+  // Under cudaMalloc, with a view alive the planner no longer counts the old workspace as free,
+  // so the request below plans within the memory beside it; the allocation then either fits or
+  // fails, and a failure must leave the old plan and allocation in place. Under virtual memory
+  // the mapped workspace counts as free, views or not, and the plan grows it in place.
   PlanRequest r;
   r.shape = {1, 1, 128, 1};
   r.max_out_tokens = int64_t{1} << 20;
   r.dtype = static_cast<int>(DType::Float16);
   r.has_reserve = true;
   r.reserve_bytes = 0;
+  const int64_t free_before = free_memory();
   try {
     WorkspacePlan big = ctx->gen_workspace(r);
-    std::printf("  (the plan beside the viewed workspace fitted: %lld bytes)\n",
-                static_cast<long long>(big.workspace_bytes));
-    CHECK(ctx->workspace() != view);
-    CHECK_EQ(view.use_count(), long{1});
+    std::printf("  (the plan with a view alive fitted: %lld bytes)\n", static_cast<long long>(big.workspace_bytes));
+    if (ctx->addresses_stable()) {
+      CHECK(ctx->workspace() == view);
+      CHECK(big.workspace_bytes > free_before);  // the memory under the view was counted
+      CHECK_EQ(view->size(), big.workspace_bytes);
+    } else {
+      CHECK(ctx->workspace() != view);
+      CHECK_EQ(view.use_count(), long{1});
+    }
   } catch (const WorkspaceOOMError& e) {
-    std::printf("  (the plan beside the viewed workspace failed: %s)\n", e.what());
+    std::printf("  (the plan with a view alive failed: %s)\n", e.what());
     CHECK(ctx->workspace() == view);
     CHECK_EQ(ctx->plan().workspace_bytes, old_plan.workspace_bytes);
-    CHECK(std::string(e.what()).find("view") != std::string::npos);
+    if (!ctx->addresses_stable()) CHECK(std::string(e.what()).find("view") != std::string::npos);
   }
   CHECK(writable(*view, ctx->stream(), 0x81));
   view.reset();
