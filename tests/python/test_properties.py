@@ -188,11 +188,15 @@ def test_exact_policy_is_monotone(r, data):
 def test_the_reserve_step_is_gone():
     # 1 GiB free gave 138 tokens and 1 GiB + 1 byte 78 before; now both give the same.
     kw = dict(batch_size=1, prompt_len=1, max_out_tokens=100_000, total_bytes=2 * GIB)
-    assert tokens_of({"shape": "llama-2-7b", **kw, "free_bytes": GIB}) == \
-        tokens_of({"shape": "llama-2-7b", **kw, "free_bytes": GIB + 1}) > 0
-    # the deepspeed policy keeps DeepSpeed's step
+    # Budget 1 GiB - 100 MiB = 968,884,224 B on both sides now (before: 568,884,225 B above 1 GiB).
+    for free in (GIB, GIB + 1):
+        r = {"shape": model_info("llama-2-7b").shape, **kw, "free_bytes": free, "min_out_tokens": 1,
+             "dtype": "float16", "mp_size": 1, "rank": 0, "external_cache": False, "policy": "exact",
+             "weights_bytes": 0, "reserve_bytes": None, "memory_limit_bytes": None, "memory_fraction": None}
+        assert reference(r)[0] == tokens_of(r) == 138
+    # the deepspeed policy keeps DeepSpeed's step: 137 tokens, then 77
     ds = {**kw, "shape": "llama-2-7b", "policy": "deepspeed"}
-    assert tokens_of({**ds, "free_bytes": GIB}) > tokens_of({**ds, "free_bytes": GIB + 1})
+    assert (tokens_of({**ds, "free_bytes": GIB}), tokens_of({**ds, "free_bytes": GIB + 1})) == (137, 77)
 
 
 def test_largest_figures_do_not_wrap():
