@@ -1,0 +1,253 @@
+"""Dropout captured into a CUDA graph: replay time against the eager call and against torch's
+graph-safe ``native_dropout`` captured the same way, in one run.
+
+For each input size and dtype, and for graphs of 1 and of 32 dropout calls (a decode step of a
+32-layer model draws once per layer), on torch tensors and torch's current stream:
+
+* "ours eager": ``inferctx.dropout(x, p, out=y, mask_out=m)`` called directly (host
+  ``increment_offset(4)``, one capture query);
+* "ours graph": the same calls captured by ``torch.cuda.graph`` and replayed with
+  ``CUDAGraph.replay()``: each call site reads its Philox state from device memory and a one-thread
+  node after it advances its replay counter (docs/graphs.md);
+* "torch eager" / "torch graph": ``torch.ops.aten.native_dropout(x, p, True)`` called directly,
+  and captured and replayed the same way (torch reads its seed and offset from tensors it fills
+  before each replay).
+
+Every figure is device time per dropout call: each call (or replay) is timed alone between CUDA
+events after warm-up, with the stream first held by a sleep kernel so that host launch overhead
+does not show; the median of the samples, divided by the calls in the graph. Inputs that fit in
+L2 are rotated over several buffer sets (more than 3x L2 in all) so that every call reads memory
+that is not in L2. Host figures (``ctx.increment_offset(4)``, the capture query, one eager call)
+are medians of loops of Python calls.
+
+    python bench/graph_dropout.py [--p 0.1] [--sizes-kib 64 1024 16384 262144]
+                                  [--dtypes float16 float32] [--calls 1 32] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+KIB = 1 << 10
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--p", type=float, default=0.1, help="drop probability (default 0.1)")
+    ap.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 1024, 16384, 262144],
+                    help="input sizes in KiB (default 64 KiB .. 256 MiB)")
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "float32"],
+                    choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--calls", type=int, nargs="+", default=[1, 32], help="dropout calls per graph")
+    ap.add_argument("--max-step-mib", type=int, default=2048,
+                    help="skip graphs whose inputs exceed this in all (default 2048)")
+    ap.add_argument("--iters", type=int, default=0, help="timed replays per variant (default: by size)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--json", help="write the results to this file")
+    return ap.parse_args(argv)
+
+
+class Timer:
+    """Per-call device times between CUDA events, with the queue filled before the GPU starts."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.sleep = getattr(torch.cuda, "_sleep", None)
+        self.cycles_per_ms = self._calibrate() if self.sleep else 0.0
+
+    def _calibrate(self) -> float:
+        torch = self.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 5_000_000
+        self.sleep(cycles)
+        torch.cuda.synchronize()
+        start.record()
+        self.sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        return cycles / max(start.elapsed_time(end), 1e-3)
+
+    def run(self, fn, iters: int, warmup: int) -> list[float]:
+        """Per-call times in ms; fn(i) is one call (or replay) on the current stream."""
+        torch = self.torch
+        for i in range(warmup):
+            fn(i)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(3):
+            fn(i)
+        host_ms = (time.perf_counter() - t0) * 1e3 / 3
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        if self.sleep:
+            hold_ms = min(1000.0, 1.5 * iters * (host_ms + 0.02) + 1.0)
+            self.sleep(int(hold_ms * self.cycles_per_ms))
+        for i in range(iters):
+            starts[i].record()
+            fn(i)
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def default_iters(nbytes: int) -> int:
+    if nbytes <= 16 << 20:
+        return 200
+    if nbytes <= 256 << 20:
+        return 40
+    return 10
+
+
+def buffer_sets(torch, nbytes: int, dtype, calls: int) -> int:
+    """Buffer sets to rotate so that a graph's inputs are not in L2 when it replays."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    per_set = 3 * nbytes * calls  # x, y and the masks, roughly
+    return max(1, min(8, -(-3 * l2 // max(per_set, 1))))
+
+
+def capture(torch, fn):
+    """A CUDAGraph of fn() after a warm-up on a side stream (torch's advice)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def host_figures(torch, inferctx, ctx, p, loops=20000, reps=15):
+    """Host microseconds per call: ctx.increment_offset(4), the capture query the eager path adds,
+    and a whole eager dropout on a 4 KiB tensor (GPU kept busy so only issuing is timed)."""
+    from inferctx import _core
+
+    handle = torch.cuda.current_stream().cuda_stream
+    device = ctx.device
+
+    def per_call(fn, n):
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                fn()
+            samples.append((time.perf_counter_ns() - t0) / n / 1e3)
+        return statistics.median(samples)
+
+    empty = per_call(lambda: None, loops)
+    inc = per_call(lambda: ctx.increment_offset(4), loops) - empty
+    query = per_call(lambda: _core._stream_capturing(handle, device), loops) - empty
+    x = torch.randn(1024, device="cuda")
+    y = torch.empty_like(x)
+    m = torch.empty(32, dtype=torch.int32, device="cuda")
+    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(khz * 1e3 * 0.5))  # 0.5 s of GPU time: the loop below only issues
+    eager = per_call(lambda: inferctx.dropout(x, p, out=y, mask_out=m), 500) - empty
+    torch.cuda.synchronize()
+    return {"increment_offset_us": inc, "capture_query_us": query, "eager_dropout_call_us": eager}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    import inferctx
+
+    if not torch.cuda.is_available():
+        print("graph_dropout.py needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(args.device)
+    ctx = inferctx.InferenceContext.instance(args.device)
+    ctx.set_seed(0)
+    timer = Timer(torch)
+    native = torch.ops.aten.native_dropout
+    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    rows = []
+    for dname in args.dtypes:
+        dt = dtypes[dname]
+        esize = torch.tensor([], dtype=dt).element_size()
+        for kib in args.sizes_kib:
+            nbytes = kib * KIB
+            n = nbytes // esize
+            words = -(-n // 32)
+            for calls in args.calls:
+                if calls > 1 and nbytes * calls > args.max_step_mib << 20:
+                    continue
+                sets = buffer_sets(torch, nbytes, dt, calls)
+                iters = args.iters or default_iters(nbytes * calls)
+                bufs = []
+                for _ in range(sets):
+                    xs = [torch.randn(n, device="cuda").to(dt) for _ in range(calls)]
+                    ys = [torch.empty_like(x) for x in xs]
+                    ms = [torch.empty(words, dtype=torch.int32, device="cuda") for _ in range(calls)]
+                    bufs.append((xs, ys, ms))
+
+                def ours(b):
+                    xs, ys, ms = b
+                    for x, y, m in zip(xs, ys, ms):
+                        inferctx.dropout(x, args.p, out=y, mask_out=m)
+
+                def theirs(b):
+                    for x in b[0]:
+                        native(x, args.p, True)
+
+                ours_graphs = [capture(torch, lambda b=b: ours(b)) for b in bufs]
+                torch_graphs = [capture(torch, lambda b=b: theirs(b)) for b in bufs]
+                variants = {
+                    "ours eager": lambda i: ours(bufs[i % sets]),
+                    "ours graph": lambda i: ours_graphs[i % sets].replay(),
+                    "torch eager": lambda i: theirs(bufs[i % sets]),
+                    "torch graph": lambda i: torch_graphs[i % sets].replay(),
+                }
+                us = {}
+                for name, fn in variants.items():
+                    samples = timer.run(fn, iters, args.warmup)
+                    us[name] = statistics.median(samples) * 1e3 / calls
+                row = dict(dtype=dname, input_bytes=nbytes, calls_per_graph=calls, p=args.p,
+                           iters=iters, buffer_sets=sets,
+                           ours_eager_us=us["ours eager"], ours_graph_us=us["ours graph"],
+                           torch_eager_us=us["torch eager"], torch_graph_us=us["torch graph"],
+                           graph_vs_eager=us["ours graph"] / us["ours eager"],
+                           graph_vs_torch_graph=us["ours graph"] / us["torch graph"])
+                rows.append(row)
+                del ours_graphs, torch_graphs, bufs
+                torch.cuda.synchronize()
+    host = host_figures(torch, inferctx, ctx, args.p)
+
+    print(f"# {torch.cuda.get_device_name(args.device)}, torch {torch.__version__}, p = {args.p}; "
+          f"device us per dropout call (median), graphs of N calls")
+    header = (f"{'dtype':9} {'size':>9} {'N':>3} {'ours eager':>11} {'ours graph':>11} "
+              f"{'torch eager':>12} {'torch graph':>12} {'graph/eager':>12} {'ours/torch graph':>17}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        size = f"{r['input_bytes'] // KIB} KiB" if r["input_bytes"] < (1 << 20) else \
+            f"{r['input_bytes'] >> 20} MiB"
+        print(f"{r['dtype']:9} {size:>9} {r['calls_per_graph']:>3} {r['ours_eager_us']:>11.2f} "
+              f"{r['ours_graph_us']:>11.2f} {r['torch_eager_us']:>12.2f} {r['torch_graph_us']:>12.2f} "
+              f"{r['graph_vs_eager']:>12.3f} {r['graph_vs_torch_graph']:>17.3f}")
+    print(f"# host: increment_offset(4) {host['increment_offset_us']:.3f} us, capture query "
+          f"{host['capture_query_us']:.3f} us, eager dropout call {host['eager_dropout_call_us']:.2f} us "
+          f"(Python calls, loop overhead removed)")
+    if args.json:
+        meta = dict(device=torch.cuda.get_device_name(args.device), torch=torch.__version__,
+                    python=platform.python_version(), inferctx=getattr(inferctx, "__version__", "?"),
+                    date=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:])
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows, host=host), f, indent=2)
+        print(f"# wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
