@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import glob
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -227,15 +229,29 @@ def test_set_seed_restarts_a_graph_at_replay_0(torch, ctx):
     np.testing.assert_array_equal(host_words(torch, mk), graph_words(2, site, 0, 0.1, n))
 
 
-def test_a_destroyed_graph_releases_its_site(torch, ctx):
-    import time
+def settled_live_sites(ctx, quiet_s=0.3, timeout_s=10.0):
+    """live_sites once it has stopped changing: graphs of earlier tests release their sites
+    asynchronously (user-object destructors run on a CUDA thread)."""
+    gc.collect()
+    deadline = time.monotonic() + timeout_s
+    last, since = _core.graph_rng_state(ctx)["live_sites"], time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = _core.graph_rng_state(ctx)["live_sites"]
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last
 
+
+def test_a_destroyed_graph_releases_its_site(torch, ctx):
     n = 1024
     x = torch.ones(n, device="cuda")
     y = torch.empty_like(x)
     mk = torch.empty(n // 32, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
-    live = _core.graph_rng_state(ctx)["live_sites"]
+    live = settled_live_sites(ctx)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         inferctx.dropout(x, 0.5, out=y, mask_out=mk)
