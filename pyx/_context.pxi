@@ -318,6 +318,12 @@ cdef class InferenceContext:
         return self._c.allocation_granularity()
 
     @property
+    def held_bytes(self):
+        """Device memory the workspace holds now: at least ``workspace_bytes`` while held (a
+        larger allocation kept for a smaller plan counts whole), 0 while released."""
+        return self._c.held_bytes()
+
+    @property
     def host_copy_bytes(self):
         """Page-locked host memory held for ``release_workspace(keep_contents=True)`` (0: none)."""
         return self._c.host_copy_bytes()

@@ -1,0 +1,446 @@
+"""release_workspace / retake_workspace: addresses kept under CUDA virtual memory (views, torch,
+CuPy and JAX arrays, CUDA graphs), contents kept through pinned host memory, ordering after
+pending work, what a released workspace refuses, out of memory at retake, and the cudaMalloc
+fallback (INFERCTX_DISABLE_VMM=1), whose tests run in a child pytest of their own."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from gpu_context import KV_SHAPE, ctx, plan_small  # noqa: F401 (fixture)
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX is imported
+
+from inferctx import WorkspaceInUseError, WorkspaceOOMError, WorkspaceStateError  # noqa: E402
+from inferctx import _core  # noqa: E402
+
+MIB = 1 << 20
+GIB = 1 << 30
+SLACK = 4 * MIB  # the driver's own bookkeeping may move free memory by a little
+FALLBACK = os.environ.get("INFERCTX_DISABLE_VMM", "") not in ("", "0")
+
+
+def free_bytes(ctx):
+    return _core._memory_info(ctx.device)[0]
+
+
+def stable_only(ctx):
+    if not ctx.addresses_stable:
+        pytest.skip("needs CUDA virtual memory (addresses_stable); this run is the cudaMalloc fallback")
+
+
+def fallback_only(ctx):
+    if ctx.addresses_stable:
+        pytest.skip("the cudaMalloc fallback's behaviour; test_cudamalloc_fallback_suite runs it")
+
+
+def fresh_plan(ctx, **overrides):
+    """The small plan (with `overrides`) mapped afresh: released first with no view alive, so the
+    workspace holds exactly the plan's bytes."""
+    gc.collect()
+    ctx.release_workspace()
+    plan = plan_small(ctx, **overrides)
+    assert ctx.held_bytes == plan.workspace_bytes
+    return plan
+
+
+@pytest.fixture
+def torch():
+    torch = pytest.importorskip("torch")
+    yield torch
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# -- which path is in force -------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_addresses_stable_says_which_path_is_in_force(ctx):
+    g = ctx.allocation_granularity
+    if FALLBACK:
+        assert not ctx.addresses_stable and g == 0
+    else:
+        major, _ = ctx.compute_capability
+        if major >= 7:  # every CUDA 13 Linux driver has virtual memory management from Volta on
+            assert ctx.addresses_stable
+    if ctx.addresses_stable:
+        assert g >= 64 * 1024 and g & (g - 1) == 0
+        assert ctx.workspace_bytes % g == 0  # the exact policy counts whole granules
+        assert ctx.plan.attention_scores_offset + ctx.plan.attention_scores_bytes <= ctx.workspace_bytes
+
+
+# -- addresses across cycles ------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_100_cycles_keep_the_workspace_and_torch_cupy_jax_views_at_their_addresses(ctx, torch):
+    stable_only(ctx)
+    cupy = pytest.importorskip("cupy")
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    plan = fresh_plan(ctx, batch_size=64, max_out_tokens=1024, dtype="float32")  # ~3.5 GiB
+    held = ctx.held_bytes
+    assert held >= GIB
+    ws = ctx.workspace
+    k0, v0 = ctx.kv_cache(0)
+    k1, _ = ctx.kv_cache(1)
+    k2, _ = ctx.kv_cache(2)
+    t = torch.from_dlpack(k0)
+    c = cupy.from_dlpack(v0)
+    c_cai = cupy.asarray(k1)  # through __cuda_array_interface__
+    j = jax.dlpack.from_dlpack(k2)
+    pointers = (ws.ptr, k0.ptr, v0.ptr, k1.ptr, k2.ptr)
+    assert (t.data_ptr(), c.data.ptr, c_cai.data.ptr, j.unsafe_buffer_pointer()) == pointers[1:]
+    for i in range(100):
+        before = free_bytes(ctx)
+        ctx.release_workspace()
+        released = free_bytes(ctx)
+        assert released - before >= held - SLACK, (i, released - before)
+        assert ctx.released and ctx.held_bytes == 0 and ctx.views_alive >= 5
+        ctx.retake_workspace()
+        assert released - free_bytes(ctx) >= held - SLACK, i
+        assert ctx.held_bytes == held and not ctx.released
+        assert (ctx.workspace.ptr, ctx.kv_cache(0)[0].ptr, ctx.kv_cache(0)[1].ptr,
+                ctx.kv_cache(1)[0].ptr, ctx.kv_cache(2)[0].ptr) == pointers
+        assert (t.data_ptr(), c.data.ptr, c_cai.data.ptr, j.unsafe_buffer_pointer()) == pointers[1:]
+        # The old arrays reach the new memory: what one writes, the others read.
+        t.fill_(float(i))
+        torch.cuda.synchronize()
+        c.fill(float(i + 1))
+        cupy.cuda.get_current_stream().synchronize()
+        assert float(t.double().mean()) == float(i)
+        assert float(torch.from_dlpack(v0).double().mean()) == float(i + 1)
+        torch.from_dlpack(k2).fill_(2.0)
+        torch.cuda.synchronize()
+        assert float(jnp.min(j)) == float(jnp.max(j)) == 2.0
+        c_cai.fill(float(i))  # CuPy through the CUDA array interface writes there too
+        cupy.cuda.get_current_stream().synchronize()
+        assert float(torch.from_dlpack(k1).double().mean()) == float(i)
+    assert plan.workspace_bytes <= held and k2.size > 0
+
+
+@pytest.mark.gpu
+def test_release_returns_the_memory_and_retake_takes_it_on_either_path(ctx, torch):
+    plan = fresh_plan(ctx, batch_size=32, max_out_tokens=1024)
+    held = ctx.held_bytes
+    address = ctx.workspace.ptr
+    before = free_bytes(ctx)
+    ctx.release_workspace()
+    assert free_bytes(ctx) - before >= held - SLACK
+    assert ctx.held_bytes == 0 and ctx.released and ctx.plan is plan
+    ctx.retake_workspace()
+    assert before - SLACK <= free_bytes(ctx) <= before + SLACK
+    assert ctx.held_bytes == (held if ctx.addresses_stable else plan.workspace_bytes)
+    if ctx.addresses_stable:
+        assert ctx.workspace.ptr == address
+
+
+# -- what a released workspace refuses --------------------------------------------------------
+
+@pytest.mark.gpu
+def test_while_released_views_refuse_exports_and_kernels_refuse_its_addresses(ctx, torch):
+    stable_only(ctx)
+    import inferctx
+    from inferctx.context import PinnedBuffer
+
+    fresh_plan(ctx)
+    k, _ = ctx.kv_cache(0)
+    sub = k.view("uint8", (16,), offset=256)
+    t = torch.from_dlpack(k)  # made before the release
+    elsewhere = torch.ones(1024, dtype=torch.float16, device=f"cuda:{ctx.device}")
+    ctx.release_workspace()
+    for export in (lambda: k.__dlpack__(), lambda: k.__cuda_array_interface__,
+                   lambda: sub.__dlpack__(stream=-1), lambda: torch.from_dlpack(k),
+                   lambda: k.copy_to_host(PinnedBuffer(k.nbytes)),
+                   lambda: k.copy_from_host(PinnedBuffer(k.nbytes)),
+                   lambda: inferctx.dropout(k, 0.5), lambda: inferctx.dropout(t, 0.5),
+                   lambda: inferctx.dropout(elsewhere, 0.5, out=t.flatten()[:1024])):
+        with pytest.raises(WorkspaceStateError, match="retake_workspace"):
+            export()
+    with pytest.raises(WorkspaceStateError, match="retake_workspace"):
+        ctx.kv_cache(0)
+    with pytest.raises(WorkspaceStateError, match="retake_workspace"):
+        ctx.workspace
+    assert k.view("uint8").nbytes == k.nbytes  # a sub-view touches nothing
+    y, _ = inferctx.dropout(elsewhere, 0.5)  # memory outside the workspace is not affected
+    torch.cuda.synchronize()
+    assert y.shape == elsewhere.shape
+    ctx.retake_workspace()
+    t.fill_(1.0)
+    y, _ = inferctx.dropout(k, 0.5)
+    y = torch.from_dlpack(y)
+    torch.cuda.synchronize()
+    assert torch.from_dlpack(k).data_ptr() == t.data_ptr() == k.ptr
+    assert set(torch.unique(y.float()).tolist()) <= {0.0, 2.0}
+
+
+# -- contents ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_keep_contents_gives_a_4_gib_workspace_back_byte_for_byte(ctx, torch):
+    # batch 512: about 38 MiB a token, so the 4 GiB limit holds a little over 100 tokens.
+    plan = fresh_plan(ctx, batch_size=512, max_out_tokens=4096, memory_limit_bytes=4 * GIB)
+    assert 4 * GIB - 64 * MIB <= plan.workspace_bytes <= 4 * GIB
+    nbytes = ctx.held_bytes
+    t = torch.from_dlpack(ctx.workspace)
+    assert t.numel() == nbytes
+    t.random_(0, 256, generator=torch.Generator(device=t.device).manual_seed(14))
+    reference = t.clone()
+    address = t.data_ptr()
+    if not ctx.addresses_stable:
+        del t  # the cudaMalloc path frees the memory: no view may be alive
+        gc.collect()
+    before = free_bytes(ctx)
+    ctx.release_workspace(keep_contents=True)
+    assert free_bytes(ctx) - before >= nbytes - SLACK
+    assert ctx.host_copy_bytes >= nbytes
+    ctx.retake_workspace()
+    back = torch.from_dlpack(ctx.workspace)
+    if ctx.addresses_stable:
+        assert back.data_ptr() == address
+    assert torch.equal(back[:reference.numel()], reference)
+    # Again, reusing the host copy; then a plain release frees it.
+    back.bitwise_not_()
+    reference.bitwise_not_()
+    del back
+    gc.collect()
+    ctx.release_workspace(keep_contents=True)
+    ctx.retake_workspace()
+    assert torch.equal(torch.from_dlpack(ctx.workspace)[:reference.numel()], reference)
+    gc.collect()
+    ctx.release_workspace()
+    assert ctx.host_copy_bytes == 0
+    ctx.retake_workspace()
+    del reference
+    fresh_plan(ctx)  # back to the small workspace
+
+
+@pytest.mark.gpu
+def test_a_kv_cache_survives_a_release_in_the_middle_of_a_generation(ctx, torch):
+    fresh_plan(ctx)
+    ctx.reset_tokens(0)
+    k, v = ctx.kv_cache(3)
+    torch.from_dlpack(k).copy_(torch.arange(k.size, device=f"cuda:{ctx.device}").reshape(KV_SHAPE))
+    torch.from_dlpack(v).fill_(-3.0)
+    ctx.advance_tokens(17)
+    expected_k, expected_v = torch.from_dlpack(k).clone(), torch.from_dlpack(v).clone()
+    if not ctx.addresses_stable:
+        del k, v
+        gc.collect()
+    ctx.release_workspace(keep_contents=True)
+    assert ctx.current_tokens == 17  # the generation's state is the caller's and stays
+    ctx.retake_workspace()
+    k, v = ctx.kv_cache(3)
+    assert torch.equal(torch.from_dlpack(k), expected_k)
+    assert torch.equal(torch.from_dlpack(v), expected_v)
+    ctx.advance_tokens(1)
+
+
+@pytest.mark.gpu
+def test_release_waits_for_a_kernel_pending_on_another_stream(ctx, torch):
+    fresh_plan(ctx, batch_size=64, max_out_tokens=1024)
+    t = torch.from_dlpack(ctx.workspace)
+    t.zero_()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(device=t.device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(400_000_000)  # a few hundred ms of GPU time, then the writes
+        t.fill_(7)
+    # No synchronisation here: the release must order itself after the side stream's work.
+    if ctx.addresses_stable:
+        ctx.release_workspace(keep_contents=True)
+    else:
+        with pytest.raises(WorkspaceInUseError):
+            ctx.release_workspace(keep_contents=True)
+        ctx.release_workspace(force=True, keep_contents=True)  # t keeps the old allocation
+    assert side.query()
+    ctx.retake_workspace()
+    back = torch.from_dlpack(ctx.workspace)
+    assert bool((back == 7).all())
+    if ctx.addresses_stable:
+        assert back.data_ptr() == t.data_ptr()
+
+
+# -- CUDA graphs ------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_a_graph_captured_before_release_writes_the_kv_cache_after_retake(ctx, torch):
+    stable_only(ctx)
+    fresh_plan(ctx)
+    device = f"cuda:{ctx.device}"
+    k, v = ctx.kv_cache(1)
+    tk, tv = torch.from_dlpack(k), torch.from_dlpack(v)
+    step = torch.zeros(KV_SHAPE, dtype=torch.float16, device=device)  # outside the workspace
+    out = torch.zeros(KV_SHAPE, dtype=torch.float16, device=device)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch asks before a capture
+        tk.copy_(step)
+        out.copy_(tv * 2)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.copy_(step)       # writes into the KV cache
+        out.copy_(tv * 2)    # reads from it
+    for value, keep in ((1.0, False), (2.0, True), (3.0, False), (4.0, True)):
+        tv.fill_(value)
+        torch.cuda.synchronize()
+        ctx.release_workspace(keep_contents=keep)
+        ctx.retake_workspace()
+        if not keep:
+            tv.fill_(value)  # the new memory holds anything
+        step.fill_(value + 10)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bool((tk == value + 10).all()), value
+        assert bool((out == 2 * value).all()), value
+    del graph
+
+
+# -- growing ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_a_larger_plan_grows_the_workspace_in_place_under_live_views(ctx, torch):
+    stable_only(ctx)
+    fresh_plan(ctx)
+    k, _ = ctx.kv_cache(0)
+    t = torch.from_dlpack(k)
+    t.fill_(5.0)
+    address = ctx.workspace.ptr
+    big = plan_small(ctx, batch_size=64, max_out_tokens=2048)
+    assert big.workspace_bytes > 100 * MIB and ctx.held_bytes == big.workspace_bytes
+    assert ctx.workspace.ptr == address and k.ptr == t.data_ptr()
+    assert bool((t == 5.0).all())  # grown around it: the old bytes did not move
+    torch.from_dlpack(ctx.workspace)[-1] = 3  # and the new tail is there
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_a_plan_that_cannot_be_had_keeps_the_workspace_its_address_and_contents(ctx, torch):
+    fresh_plan(ctx)
+    before = ctx.plan
+    t = torch.from_dlpack(ctx.workspace)
+    t.fill_(0x5A)
+    address = t.data_ptr()
+    free = free_bytes(ctx)
+    hog = torch.empty(max(free - 256 * MIB, 0), dtype=torch.uint8, device=t.device)
+    try:
+        with pytest.raises(WorkspaceOOMError):  # 4096 tokens must fit: about 18 GiB
+            plan_small(ctx, batch_size=64, max_out_tokens=4096, min_out_tokens=4096)
+        assert ctx.plan is before and not ctx.released
+        assert ctx.workspace.ptr == address
+        assert bool((t == 0x5A).all())
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+
+
+# -- out of memory at retake ------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_retake_without_memory_raises_and_leaves_the_context_released_and_consistent(ctx, torch):
+    fresh_plan(ctx, batch_size=64, max_out_tokens=1024)
+    held = ctx.held_bytes
+    plan = ctx.plan
+    t = torch.from_dlpack(ctx.workspace)
+    t.fill_(0x3C)
+    reference = t.clone()
+    k, _ = ctx.kv_cache(0)
+    if not ctx.addresses_stable:
+        del t, k
+        gc.collect()
+    ctx.release_workspace(keep_contents=True)
+    free = free_bytes(ctx)
+    hog = torch.empty(max(free - 64 * MIB, 0), dtype=torch.uint8, device=reference.device)
+    try:
+        assert free_bytes(ctx) < held
+        with pytest.raises(WorkspaceOOMError) as info:
+            ctx.retake_workspace()
+        e = info.value
+        assert e.requested_bytes == (held if ctx.addresses_stable else plan.workspace_bytes)
+        assert e.free_bytes < e.requested_bytes and e.total_bytes >= e.free_bytes
+        assert "stays released" in str(e) and "retake_workspace" in str(e)
+        assert ctx.released and ctx.held_bytes == 0 and ctx.plan is plan
+        assert ctx.host_copy_bytes >= held
+        with pytest.raises(WorkspaceStateError):
+            ctx.workspace
+        if ctx.addresses_stable:
+            with pytest.raises(WorkspaceStateError):
+                k.__dlpack__()
+            assert ctx.views_alive >= 2
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    assert ctx.retake_workspace() is True
+    back = torch.from_dlpack(ctx.workspace)
+    assert torch.equal(back, reference)
+    if ctx.addresses_stable:
+        assert back.data_ptr() == t.data_ptr() and k.__dlpack__() is not None
+
+
+# -- the cudaMalloc fallback ------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_cudamalloc_fallback_release_with_views_raises_unless_forced(ctx, torch):
+    fallback_only(ctx)
+    fresh_plan(ctx)
+    k, _ = ctx.kv_cache(0)
+    old = k.ptr
+    with pytest.raises(WorkspaceInUseError) as info:
+        ctx.release_workspace()
+    assert info.value.views_alive == 1 and not ctx.released
+    ctx.release_workspace(force=True)
+    assert ctx.released and ctx.views_alive == 0
+    torch.from_dlpack(k).fill_(1.0)  # detached: k keeps its memory, still usable
+    ctx.retake_workspace()
+    assert ctx.kv_cache(0)[0].ptr != old
+
+
+@pytest.mark.gpu
+def test_disable_vmm_gives_the_cudamalloc_fallback_logged_once():
+    script = textwrap.dedent("""
+        import logging
+        records = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record)
+        logging.getLogger("inferctx").addHandler(Keep())
+        logging.getLogger("inferctx").setLevel(logging.INFO)
+        from inferctx.context import InferenceContext
+        c = InferenceContext.instance()
+        assert InferenceContext.instance() is c
+        assert not c.addresses_stable and c.allocation_granularity == 0
+        said = [r.getMessage() for r in records if "cudaMalloc" in r.getMessage()]
+        assert len(said) == 1 and "INFERCTX_DISABLE_VMM=1" in said[0], said
+        print("fallback ok")
+    """)
+    env = {**os.environ, "INFERCTX_DISABLE_VMM": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "fallback ok" in done.stdout
+
+
+@pytest.mark.gpu
+def test_cudamalloc_fallback_suite():
+    """This file and the release cases of test_context.py again, in a child pytest with
+    INFERCTX_DISABLE_VMM=1 (a context chooses its path once, when it is made)."""
+    if FALLBACK:
+        pytest.skip("this is the child run already")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "INFERCTX_DISABLE_VMM": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+         os.path.join(here, "test_release.py"), os.path.join(here, "test_context.py"),
+         "-k", "release or retake or workspace or kv_cache"],
+        env=env, cwd=os.path.dirname(os.path.dirname(here)), capture_output=True, text=True,
+        timeout=1200)
+    tail = done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.returncode == 0, tail
+    assert " passed" in done.stdout and " failed" not in done.stdout, tail
