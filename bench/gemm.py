@@ -14,7 +14,8 @@ comes from torch's caching allocator) and with out=, of gemm and torch.matmul on
 Method: both libraries run on one torch stream, the caller's current one (inferctx's default
 under its call contract); device time from CUDA events around back-to-back calls queued behind a spin
 kernel (so launch overhead is not measured as device time), after warm-up, median of
-repetitions, the two libraries interleaved; operands are fresh uniform random values, rotated
+repetitions, the two libraries interleaved (in alternating order, after a warm-up of the
+GPU); operands are fresh uniform random values, rotated
 among enough copies to exceed L2 for small shapes; the first result of each library is
 compared with the other's. Prints a compact table last; --json writes every figure.
 
@@ -131,7 +132,10 @@ class Timer:
                    for _ in range(self.reps)] for _ in fns]
         turn = 0
         for rep in range(self.reps):
-            for f, fn in enumerate(fns):
+            # The order alternates: the block right after the idle spin runs at the clocks the
+            # pause restored, which would favour whichever always came first.
+            order = list(enumerate(fns)) if rep % 2 == 0 else list(enumerate(fns))[::-1]
+            for f, fn in order:
                 start, end = events[f][rep]
                 self.spin(20.0 * runs + 50.0)
                 start.record()
@@ -141,6 +145,17 @@ class Timer:
                 end.record()
         torch.cuda.synchronize()
         return [statistics.median(s.elapsed_time(e) / runs for s, e in per) for per in events]
+
+
+def warm_up_gpu(seconds=3.0):
+    """Runs large products for a while, so that the first case is timed at the clocks and
+    temperature the later ones see."""
+    x = torch.empty((8192, 8192), dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            torch.matmul(x, x)
+        torch.cuda.synchronize()
 
 
 def host_us_per_call(fn, calls=100, reps=21):
@@ -241,6 +256,7 @@ def main(argv=None):
     with torch.cuda.stream(stream):
         ctx = _core.InferenceContext.instance(device)
         G.clear_gemm_cache()
+        warm_up_gpu(1.0 if args.quick else 3.0)
         all_cases = cases()
         prepared = []
         for case in all_cases:

@@ -173,13 +173,14 @@ cdef int _cuda_device_of(object obj) except -2:
 
 
 cdef CudaArray _from_torch(object t, str argument):
-    """A CUDA torch tensor read directly (no DLPack exchange); None-equivalent errors go through
-    the generic import, which says what is wrong."""
+    """A CUDA torch tensor read directly (no DLPack exchange); None when the generic import must
+    take it (it then says what is wrong)."""
     dt = _torch_to_dt.get(t.dtype)
-    if dt is None or t.get_device() < 0:
+    cdef int device = t.get_device()
+    if dt is None or device < 0:
         return None
-    return _cuda_array(<uintptr_t>t.data_ptr(), tuple(t.shape), tuple(t.stride()), <int>dt,
-                       t.get_device(), t, False)
+    return _cuda_array(<uintptr_t>t.data_ptr(), tuple(t.shape), t.stride(), <int>dt, device, t,
+                       False)
 
 
 cdef CudaArray _from_cupy(object a, str argument):
@@ -229,7 +230,7 @@ cdef class _Call:
         if self.package == PKG_TORCH:
             if like is not None:
                 return _torch_empty_like(like)
-            return _torch_empty(shape, dtype=_dt_to_torch[dtype], device=self._like.device)
+            return self._like.new_empty(shape, dtype=_dt_to_torch[dtype])
         if self.package == PKG_CUPY:
             with _cupy.cuda.Device(self.device):
                 return _cupy.empty(shape, dtype=_DTYPE_NAMES[dtype])

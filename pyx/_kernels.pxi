@@ -224,6 +224,83 @@ def _address_of(r):
 
 # -- GEMM glue for python/inferctx/gemm.py --------------------------------------------------------
 
+cdef dict _gemm_plans = None       # gemm.py's problems by call signature (its _plans)
+
+
+def _set_gemm_plans(dict plans):
+    """Shares gemm.py's table of worked-out problems with the torch fast path below."""
+    global _gemm_plans
+    _gemm_plans = plans
+
+
+cdef object _torch_code(object dtype):
+    code = _torch_to_dt.get(dtype)
+    return code if code is not None and code <= DT_BFLOAT16 else None
+
+
+def _torch_gemm(int ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
+    """gemm / bmm of torch tensors on torch's current stream, when nothing in the call needs more
+    than reading the tensors: the problem was worked out before (gemm.py's table), the devices
+    agree with each other and ctx, and out (if given) overlaps no input. Returns NotImplemented
+    otherwise, and gemm.py's path (which says what is wrong) takes the call."""
+    if (_gemm_plans is None or type(alpha) is not float or type(beta) is not float
+            or (trans_a is not True and trans_a is not False)
+            or (trans_b is not True and trans_b is not False)
+            or (tf32 is not True and tf32 is not False)):
+        return NotImplemented
+    cdef int device = a.get_device()
+    if device < 0 or b.get_device() != device or (out is not None and out.get_device() != device):
+        return NotImplemented
+    cdef InferenceContext context
+    if ctx is None:
+        found = _contexts.get(device)
+        if found is None:
+            return NotImplemented
+        context = <InferenceContext>found
+    elif isinstance(ctx, InferenceContext) and (<InferenceContext>ctx).device == device:
+        context = <InferenceContext>ctx
+    else:
+        return NotImplemented
+    if out is None:
+        key = (ndim, trans_a, trans_b, _torch_code(a.dtype), a.shape, a.stride(),
+               _torch_code(b.dtype), b.shape, b.stride(), None, None, None)
+    else:
+        key = (ndim, trans_a, trans_b, _torch_code(a.dtype), a.shape, a.stride(),
+               _torch_code(b.dtype), b.shape, b.stride(), _torch_code(out.dtype), out.shape,
+               out.stride())
+    plan = _gemm_plans.get(key)
+    if plan is None:
+        return NotImplemented
+    cdef GemmProblem p
+    cdef bint swap
+    cdef int64_t span_a, span_b, span_c
+    (p.dtype, p.m, p.n, p.k, p.batch, p.lda, p.ldb, p.ldc, p.stride_a, p.stride_b, p.stride_c,
+     p.trans_a, p.trans_b, swap, expected, span_a, span_b, span_c, _, _) = plan
+    p.tf32 = tf32
+    cdef uintptr_t a_ptr = a.data_ptr()
+    cdef uintptr_t b_ptr = b.data_ptr()
+    cdef uintptr_t c_ptr
+    if out is None:
+        out = a.new_empty(expected)
+        c_ptr = out.data_ptr()
+    else:
+        c_ptr = out.data_ptr()
+        if ((a_ptr < c_ptr + span_c and c_ptr < a_ptr + span_a)
+                or (b_ptr < c_ptr + span_c and c_ptr < b_ptr + span_b)):
+            return NotImplemented  # gemm.py decides whether the overlap is allowed
+    if swap:
+        a_ptr, b_ptr = b_ptr, a_ptr
+    cdef object raw = _torch_raw_stream(device)
+    cdef uintptr_t stream = <uintptr_t>cudaStreamLegacy if raw == 0 else <uintptr_t>raw
+    cdef CppInferenceContext* cx = context._c
+    cdef float fa = alpha
+    cdef float fb = beta
+    with nogil:
+        gemm(cx.cublas(), <cudaStream_t>stream, p, <const void*>a_ptr, <const void*>b_ptr,
+             <void*>c_ptr, fa, fb)
+    return out
+
+
 cdef GemmProblem _gemm_problem(int dtype, bint trans_a, bint trans_b, int64_t m, int64_t n, int64_t k,
                                int64_t batch, int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a,
                                int64_t stride_b, int64_t stride_c, bint tf32) noexcept:

@@ -5,6 +5,7 @@
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
 #include "inferctx/plan.hpp"
+#include "inferctx/pool.hpp"
 #include "inferctx/stream.hpp"
 
 namespace inferctx {
@@ -31,7 +32,6 @@ CublasHandle::CublasHandle(int device) : device_(device) {
                     device);
     // Set explicitly: CUBLAS_TENSOR_OP_MATH (deprecated) would let fp32 GEMMs run in reduced precision.
     INFERCTX_CUBLAS(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH), device);
-    INFERCTX_CUDA(cudaEventCreateWithFlags(&last_use_, cudaEventDisableTiming), device);
   } catch (...) {
     destroy_handles();
     throw;
@@ -51,10 +51,6 @@ void CublasHandle::destroy_handles() noexcept {
     cublasLtDestroy(lt_);
     lt_ = nullptr;
   }
-  if (last_use_ != nullptr) {
-    cudaEventDestroy(last_use_);
-    last_use_ = nullptr;
-  }
 }
 
 void CublasHandle::set_stream(cudaStream_t stream) {
@@ -67,7 +63,38 @@ void CublasHandle::set_stream(cudaStream_t stream) {
 cublasStatus_t CublasHandle::bind_stream(cudaStream_t stream) noexcept {
   const cublasStatus_t status = cublasSetStream(handle_, stream);
   if (status != CUBLAS_STATUS_SUCCESS) return status;
+  stream_ = stream;
+  bound_workspace_ = workspace_->data();
   return cublasSetWorkspace(handle_, workspace_->data(), static_cast<size_t>(workspace_->size()));
+}
+
+CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, bool capturing) {
+  for (StreamWorkspace& w : workspaces_) {
+    if (w.stream == stream) return w;
+  }
+  bool own_taken = false;
+  for (const StreamWorkspace& w : workspaces_) own_taken = own_taken || w.block == nullptr;
+  if (!own_taken) {
+    workspaces_.push_back({stream, workspace_->data(), nullptr, 0, capturing});
+    return workspaces_.back();
+  }
+  if (static_cast<int>(workspaces_.size()) >= kMaxStreamWorkspaces) {
+    // Give back the least recently used pool workspace that no graph may hold; the pool frees it
+    // after the work queued on its stream.
+    auto victim = workspaces_.end();
+    for (auto it = workspaces_.begin(); it != workspaces_.end(); ++it) {
+      if (it->block != nullptr && !it->captured && (victim == workspaces_.end() || it->last_use < victim->last_use)) {
+        victim = it;
+      }
+    }
+    if (victim != workspaces_.end()) workspaces_.erase(victim);
+  }
+  // Made usable on every stream at once (not in stream order): `stream` may be capturing, and an
+  // allocation inside a capture would belong to the graph.
+  std::shared_ptr<PooledAllocation> block = DevicePool::of(device_)->allocate_now(workspace_->size());
+  block->note_use(stream);  // freed, if ever, after the work queued on `stream`
+  workspaces_.push_back({stream, block->data(), block, 0, capturing});
+  return workspaces_.back();
 }
 
 bool CublasHandle::begin_use(cudaStream_t stream) {
@@ -75,17 +102,17 @@ bool CublasHandle::begin_use(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   INFERCTX_CUDA(cudaStreamIsCapturing(stream, &capture), device_);
   const bool capturing = capture != cudaStreamCaptureStatusNone;
-  if (stream_ != stream) set_stream(stream);
-  if (!capturing && last_use_stream_ != nullptr && last_use_stream_ != stream) {
-    INFERCTX_CUDA(cudaStreamWaitEvent(stream, last_use_, 0), device_);
+  StreamWorkspace& w = workspace_for(stream, capturing);
+  w.last_use = ++uses_;
+  w.captured = w.captured || capturing;
+  if (stream_ != stream || bound_workspace_ != w.ptr) {
+    INFERCTX_CUBLAS(cublasSetStream(handle_, stream), device_);
+    // cublasSetStream resets the handle to cuBLAS's own workspace pool.
+    INFERCTX_CUBLAS(cublasSetWorkspace(handle_, w.ptr, static_cast<size_t>(workspace_->size())), device_);
+    stream_ = stream;
+    bound_workspace_ = w.ptr;
   }
   return capturing;
-}
-
-void CublasHandle::end_use(cudaStream_t stream, bool capturing) {
-  if (capturing) return;
-  INFERCTX_CUDA(cudaEventRecord(last_use_, stream), device_);
-  last_use_stream_ = stream;
 }
 
 void CublasHandle::set_tf32(bool enabled) {

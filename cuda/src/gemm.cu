@@ -540,7 +540,8 @@ cublasStatus_t run_lt(const CublasHandle& handle, cudaStream_t stream, const Pla
                       const cublasLtMatmulAlgo_t* algo, const void* a, const void* b, void* c, const float* alpha,
                       const float* beta) {
   return cublasLtMatmul(handle.lt(), plan.op(), alpha, b, plan.lt_a(), a, plan.lt_b(), beta, c, plan.lt_c(), c,
-                        plan.lt_c(), algo, handle.workspace(), static_cast<size_t>(handle.workspace_bytes()), stream);
+                        plan.lt_c(), algo, handle.bound_workspace(), static_cast<size_t>(handle.workspace_bytes()),
+                        stream);
 }
 
 bool fits_int(int64_t v) { return v <= INT_MAX; }

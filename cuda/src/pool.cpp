@@ -94,6 +94,13 @@ std::shared_ptr<PooledAllocation> DevicePool::allocate(int64_t bytes, cudaStream
   return std::shared_ptr<PooledAllocation>(new PooledAllocation(shared_from_this(), device_, ptr, bytes, stream));
 }
 
+std::shared_ptr<PooledAllocation> DevicePool::allocate_now(int64_t bytes) {
+  std::shared_ptr<PooledAllocation> block = allocate(bytes, free_stream_);
+  CurrentDeviceScope on(device_);
+  INFERCTX_CUDA(cudaStreamSynchronize(free_stream_), device_);
+  return block;
+}
+
 PoolStats DevicePool::stats() const {
   CurrentDeviceScope on(device_);
   PoolStats s{};

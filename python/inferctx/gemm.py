@@ -320,6 +320,10 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
     tensor = _torch_tensor if _torch_tensor is not None else _find_torch()
     if (stream is None and tensor is not None and isinstance(a, tensor) and isinstance(b, tensor)
             and (out is None or isinstance(out, tensor))):
+        # The common case, in compiled code: a problem seen before, devices and ctx in order.
+        done = _core._torch_gemm(ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
+        if done is not NotImplemented:
+            return done
         a_device = a.get_device()
         b_device = b.get_device()
         c_device = a_device if out is None else out.get_device()
@@ -395,6 +399,7 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
 # beyond its pointers. Bounded; cleared when full.
 _plans: dict = {}
 _PLAN_LIMIT = 4096
+_core._set_gemm_plans(_plans)  # the compiled torch fast path reads the same table
 
 
 def _launch(name, plan, ctx, ctx_device, stream, a_device, b_device, c_device, a_ptr, b_ptr, out,

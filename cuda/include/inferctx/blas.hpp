@@ -7,10 +7,13 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "inferctx/memory.hpp"
 
 namespace inferctx {
+
+class PooledAllocation;
 
 class CublasHandle {
  public:
@@ -39,16 +42,19 @@ class CublasHandle {
   bool tf32() const noexcept { return tf32_; }
 
   // One call at a time: cuBLAS handles are not safe to share between threads that switch their
-  // stream, and the workspace is one buffer.
+  // stream.
   std::mutex& mutex() noexcept { return mutex_; }
-  // Before work on `stream` that uses the workspace (mutex held): binds the handle to `stream`
-  // (with the workspace) and, when the workspace was last used on another stream, makes
-  // `stream` wait for that use. Returns true when `stream` is being captured into a CUDA graph;
-  // the hand-over is then left out (an event recorded outside a capture cannot be waited on in
-  // it), so graphs that use the handle must not replay while another stream uses it.
+  // Before work on `stream` (mutex held): binds the handle to `stream` with that stream's
+  // workspace. Each stream has its own (as torch keeps one per stream), so work on two streams
+  // never shares one and no stream waits for another: the first stream takes the workspace made
+  // with the handle, later ones a block of the device pool. At most kMaxStreamWorkspaces are kept;
+  // beyond that the least recently used is given back (freed after that stream's work), except
+  // the workspaces of streams that were being captured into a CUDA graph, which the graph's
+  // nodes keep using. Returns true when `stream` is being captured.
   bool begin_use(cudaStream_t stream);
-  // After that work (mutex held): records it as the workspace's last use.
-  void end_use(cudaStream_t stream, bool capturing);
+  // The workspace bound by the last begin_use.
+  void* bound_workspace() const noexcept { return bound_workspace_; }
+  static constexpr int kMaxStreamWorkspaces = 8;
 
  private:
   int device_ = 0;
@@ -58,24 +64,26 @@ class CublasHandle {
   bool tf32_ = false;
   cudaStream_t stream_ = nullptr;  // nullptr until set_stream (cuBLAS then uses the legacy stream)
   std::mutex mutex_;
-  cudaEvent_t last_use_ = nullptr;       // recorded after the workspace's last use
-  cudaStream_t last_use_stream_ = nullptr;
+  struct StreamWorkspace {
+    cudaStream_t stream;
+    void* ptr;
+    std::shared_ptr<PooledAllocation> block;  // null for the handle's own workspace
+    uint64_t last_use;
+    bool captured;  // assigned while the stream was capturing: a graph may hold it
+  };
+  std::vector<StreamWorkspace> workspaces_;
+  uint64_t uses_ = 0;
+  void* bound_workspace_ = nullptr;
+  StreamWorkspace& workspace_for(cudaStream_t stream, bool capturing);
 
   void destroy_handles() noexcept;
 };
 
-// The handle's mutex held, and its workspace handed over to `stream`, for a scope: begin_use
-// on entry, end_use on exit (also when the work in between throws).
+// The handle's mutex held, and the handle bound to `stream` with its workspace, for a scope.
 class WorkspaceUse {
  public:
-  WorkspaceUse(CublasHandle& handle, cudaStream_t stream) : lock_(handle.mutex()), handle_(handle), stream_(stream) {
+  WorkspaceUse(CublasHandle& handle, cudaStream_t stream) : lock_(handle.mutex()) {
     capturing_ = handle.begin_use(stream);
-  }
-  ~WorkspaceUse() {
-    try {
-      handle_.end_use(stream_, capturing_);
-    } catch (...) {  // a destructor cannot report it; the next call's check will
-    }
   }
   WorkspaceUse(const WorkspaceUse&) = delete;
   WorkspaceUse& operator=(const WorkspaceUse&) = delete;
@@ -83,8 +91,6 @@ class WorkspaceUse {
 
  private:
   std::lock_guard<std::mutex> lock_;
-  CublasHandle& handle_;
-  cudaStream_t stream_;
   bool capturing_ = false;
 };
 

@@ -66,6 +66,9 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // `bytes` >= 0 (0 gives an empty allocation with a null pointer) usable on `stream` in stream
   // order. CudaError (cudaErrorMemoryAllocation) when the device is out of memory.
   std::shared_ptr<PooledAllocation> allocate(int64_t bytes, cudaStream_t stream);
+  // The same, usable on every stream when it returns (allocated on the pool's own stream, which
+  // is then synchronised): for memory whose first user is not known, or is being captured.
+  std::shared_ptr<PooledAllocation> allocate_now(int64_t bytes);
   PoolStats stats() const;
   void reset_peak();
   // Waits for the pending frees, then returns the unused memory to the device, keeping at least

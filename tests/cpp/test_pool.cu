@@ -1,0 +1,199 @@
+// The stream-ordered device pool and the cuBLAS handle's workspaces per stream.
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <vector>
+
+#include "check.hpp"
+#include "inferctx/blas.hpp"
+#include "inferctx/cuda_check.hpp"
+#include "inferctx/errors.hpp"
+#include "inferctx/gemm.hpp"
+#include "inferctx/pool.hpp"
+
+using namespace inferctx;
+
+namespace {
+
+constexpr int kDevice = 0;
+
+__global__ void spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+
+__global__ void fill(int* p, int n, int value) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) p[i] = value;
+}
+
+__global__ void sum_into(const int* p, int n, unsigned long long* total) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) atomicAdd(total, static_cast<unsigned long long>(p[i]));
+}
+
+cudaStream_t new_stream() {
+  cudaStream_t s = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", kDevice);
+  return s;
+}
+
+long long cycles_per_ms() {
+  int khz = 0;
+  check_cuda(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, kDevice), "cudaDeviceGetAttribute", kDevice);
+  return khz > 0 ? khz : 2000000;
+}
+
+}  // namespace
+
+TEST_CASE("gpu: negative sizes and a null stream are refused") {
+  auto pool = DevicePool::of(kDevice);
+  CHECK_THROWS(ConfigError, pool->allocate(-1, cudaStreamLegacy));
+  CHECK_THROWS(ConfigError, pool->allocate(16, nullptr));
+  CHECK_THROWS(ConfigError, pool->trim(-1));
+  auto empty = pool->allocate(0, cudaStreamLegacy);
+  CHECK(empty->data() == nullptr && empty->size() == 0);
+}
+
+TEST_CASE("gpu: figures follow allocations; freed blocks are reused; trim returns them") {
+  auto pool = DevicePool::of(kDevice);
+  CHECK(pool == DevicePool::of(kDevice));
+  pool->trim(0);
+  const PoolStats start = pool->stats();
+  cudaStream_t s = new_stream();
+  void* first = nullptr;
+  {
+    auto a = pool->allocate(8 << 20, s);
+    first = a->data();
+    const PoolStats held = pool->stats();
+    CHECK_EQ(held.used_bytes - start.used_bytes, int64_t{8 << 20});
+    CHECK(held.reserved_bytes >= held.used_bytes);
+    CHECK_EQ(held.allocations - start.allocations, int64_t{1});
+  }
+  check_cuda(cudaStreamSynchronize(pool->free_stream()), "cudaStreamSynchronize", kDevice);
+  const PoolStats freed = pool->stats();
+  CHECK_EQ(freed.used_bytes, start.used_bytes);
+  CHECK(freed.reserved_bytes >= start.reserved_bytes + (8 << 20));  // kept for reuse
+  {
+    auto b = pool->allocate(8 << 20, s);  // the same block again, no new memory
+    CHECK(b->data() == first);
+    CHECK_EQ(pool->stats().reserved_bytes, freed.reserved_bytes);
+  }
+  size_t free_before = 0, free_after = 0, total = 0;
+  check_cuda(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo", kDevice);
+  CHECK_EQ(pool->trim(0), int64_t{0} + start.used_bytes);
+  check_cuda(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo", kDevice);
+  CHECK(free_after >= free_before + (8u << 20));
+  check_cuda(cudaStreamDestroy(s), "cudaStreamDestroy", kDevice);
+}
+
+TEST_CASE("gpu: a block is not handed out again while a stream that used it is still busy") {
+  auto pool = DevicePool::of(kDevice);
+  cudaStream_t producer = new_stream(), reader = new_stream();
+  const int n = 1 << 20;
+  unsigned long long* total = nullptr;
+  check_cuda(cudaMalloc(&total, sizeof *total), "cudaMalloc", kDevice);
+  check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+  void* ptr = nullptr;
+  {
+    auto block = pool->allocate(int64_t{n} * 4, producer);
+    ptr = block->data();
+    fill<<<(n + 255) / 256, 256, 0, producer>>>(static_cast<int*>(block->data()), n, 1);
+    cudaEvent_t filled;
+    check_cuda(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming), "cudaEventCreate", kDevice);
+    check_cuda(cudaEventRecord(filled, producer), "cudaEventRecord", kDevice);
+    check_cuda(cudaStreamWaitEvent(reader, filled, 0), "cudaStreamWaitEvent", kDevice);
+    block->note_use(reader);
+    spin<<<1, 1, 0, reader>>>(cycles_per_ms() * 50);  // the reader is busy for 50 ms
+    sum_into<<<(n + 255) / 256, 256, 0, reader>>>(static_cast<const int*>(block->data()), n, total);
+    cudaEventDestroy(filled);
+  }  // freed here, while the reader still has 50 ms to go
+  auto again = pool->allocate(int64_t{n} * 4, producer);
+  fill<<<(n + 255) / 256, 256, 0, producer>>>(static_cast<int*>(again->data()), n, 7);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
+  unsigned long long host = 0;
+  check_cuda(cudaMemcpy(&host, total, sizeof host, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+  CHECK_EQ(host, static_cast<unsigned long long>(n));  // the reader saw 1s, not the next user's 7s
+  (void)ptr;
+  cudaFree(total);
+  cudaStreamDestroy(producer);
+  cudaStreamDestroy(reader);
+}
+
+TEST_CASE("gpu: a use on an unknown stream, or on a stream destroyed since, frees after a device synchronisation") {
+  auto pool = DevicePool::of(kDevice);
+  cudaStream_t s = new_stream();
+  {
+    auto block = pool->allocate(1 << 20, cudaStreamLegacy);
+    block->note_use(s);
+    block->note_unknown_use();
+  }
+  {
+    auto block = pool->allocate(1 << 20, cudaStreamLegacy);
+    block->note_use(s);
+    check_cuda(cudaStreamDestroy(s), "cudaStreamDestroy", kDevice);
+  }  // recording on the destroyed stream fails; the free falls back to synchronising
+  CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
+  auto next = pool->allocate(1 << 20, cudaStreamLegacy);
+  CHECK(next->data() != nullptr);
+}
+
+TEST_CASE("gpu: each stream's GEMMs get a workspace of their own; concurrent products are right") {
+  CublasHandle handle(kDevice);
+  const int n = 512;
+  std::vector<__half> ones(n * n, __float2half(1.0f));
+  __half *a = nullptr, *b = nullptr, *c1 = nullptr, *c2 = nullptr;
+  for (__half** p : {&a, &b, &c1, &c2}) check_cuda(cudaMalloc(p, n * n * sizeof(__half)), "cudaMalloc", kDevice);
+  check_cuda(cudaMemcpy(a, ones.data(), n * n * sizeof(__half), cudaMemcpyHostToDevice), "cudaMemcpy", kDevice);
+  check_cuda(cudaMemcpy(b, ones.data(), n * n * sizeof(__half), cudaMemcpyHostToDevice), "cudaMemcpy", kDevice);
+  cudaStream_t s1 = new_stream(), s2 = new_stream();
+  const GemmProblem p = packed_gemm_problem(1, n, n, n, 1, false, false, false);
+  void* w1 = nullptr;
+  void* w2 = nullptr;
+  {
+    WorkspaceUse use(handle, s1);
+    w1 = handle.bound_workspace();
+  }
+  {
+    WorkspaceUse use(handle, s2);
+    w2 = handle.bound_workspace();
+  }
+  CHECK(w1 == handle.workspace());  // the first stream takes the handle's own
+  CHECK(w2 != nullptr && w2 != w1);
+  {
+    WorkspaceUse use(handle, s1);
+    CHECK(handle.bound_workspace() == w1);  // kept per stream
+  }
+  for (int round = 0; round < 20; ++round) {
+    gemm(handle, s1, p, a, b, c1, 1.0f, 0.0f);
+    gemm(handle, s2, p, a, b, c2, 2.0f, 0.0f);
+  }
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
+  std::vector<__half> h1(n * n), h2(n * n);
+  check_cuda(cudaMemcpy(h1.data(), c1, n * n * sizeof(__half), cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+  check_cuda(cudaMemcpy(h2.data(), c2, n * n * sizeof(__half), cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+  int bad = 0;
+  for (int i = 0; i < n * n; ++i) {
+    bad += __half2float(h1[i]) != 512.0f;
+    bad += __half2float(h2[i]) != 1024.0f;
+  }
+  CHECK_EQ(bad, 0);
+  // More streams than workspaces kept: the oldest pool workspace is given back, products stay right.
+  std::vector<cudaStream_t> many;
+  for (int i = 0; i < CublasHandle::kMaxStreamWorkspaces + 3; ++i) {
+    many.push_back(new_stream());
+    gemm(handle, many.back(), p, a, b, c1, 1.0f, 0.0f);
+  }
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
+  check_cuda(cudaMemcpy(h1.data(), c1, n * n * sizeof(__half), cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+  bad = 0;
+  for (int i = 0; i < n * n; ++i) bad += __half2float(h1[i]) != 512.0f;
+  CHECK_EQ(bad, 0);
+  for (cudaStream_t s : many) cudaStreamDestroy(s);
+  for (__half* q : {a, b, c1, c2}) cudaFree(q);
+  cudaStreamDestroy(s1);
+  cudaStreamDestroy(s2);
+}
+
+int main() { return ::check::run_all_or_cpu_cases("args:"); }
