@@ -85,3 +85,15 @@ def test_unknown_attribute():
 
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         inferctx.nope  # noqa: B018
+
+
+def test_license_in_the_repository_and_the_installed_distribution():
+    from importlib import metadata
+    from pathlib import Path
+
+    repo = (Path(__file__).parents[2] / "LICENSE").read_text()
+    assert repo.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in repo
+    assert "END OF TERMS AND CONDITIONS" in repo
+    files = [f for f in metadata.files("inferctx") or [] if f.name == "LICENSE"]
+    assert files and files[0].read_text() == repo
+    assert metadata.metadata("inferctx")["License-Expression"] == "Apache-2.0"

@@ -310,3 +310,60 @@ def test_version_and_exports():
     assert inferctx.__version__
     for name in ("ModelShape", "plan_workspace", "WorkspacePlan", "ConfigError", "WorkspaceOOMError"):
         assert hasattr(inferctx, name)
+
+
+def test_numbers_of_any_numeric_type_are_accepted():
+    np = pytest.importorskip("numpy")
+    from fractions import Fraction
+
+    base = dict(prompt_len=1, max_out_tokens=4096, **H100)
+    ref = plan_workspace("llama-2-7b", batch_size=8, memory_fraction=0.5, **base)
+    assert ref.budget_bytes == 81559 * MIB // 2 and ref.budget_limit == "memory_fraction"
+    for fraction in (np.float32(0.5), np.float64(0.5), Fraction(1, 2), 0.5):
+        p = plan_workspace("llama-2-7b", batch_size=np.int64(8), memory_fraction=fraction, **base)
+        assert p == ref
+    assert plan_workspace("llama-2-7b", batch_size=8, memory_fraction=1, **base).budget_limit == "reserve"
+
+
+def test_weights_bytes_cut_free_memory():
+    # 40 GiB free with 13,476,831,232 bytes of weights still to load: 40 GiB - 12.55 GiB planned
+    p = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, free_bytes=40 * GIB,
+                       total_bytes=80 * GIB, weights_bytes="auto")
+    assert p.weights_bytes == 13_476_831_232 and p.planned_free_bytes == 40 * GIB - 13_476_831_232
+    assert p.budget_bytes == p.planned_free_bytes - 500 * MIB
+    assert "12.55 GiB still to load (6,738,415,616 parameters x 2 B)" in str(p)
+    given = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, free_bytes=40 * GIB,
+                           total_bytes=80 * GIB, weights_bytes=GIB)
+    assert given.planned_free_bytes == 39 * GIB and given.weights_source == "given"
+    none = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, free_bytes=40 * GIB,
+                          total_bytes=80 * GIB)
+    assert none.weights_bytes == 0 and "none counted" in str(none)
+
+
+def test_gpu_preset_in_python():
+    p = plan_workspace("llama-2-7b", batch_size=8, prompt_len=1, max_out_tokens=4096, gpu="h100-80gb")
+    assert p.free_bytes == (81559 - 1242) * MIB and p.total_bytes == 81559 * MIB
+    assert p.weights_bytes == 13_476_831_232 and p.workspace_bytes == 28_454_158_336
+    with pytest.raises(ConfigError) as info:  # an explicit shape has no parameter count
+        plan_workspace(ModelShape(32, 32, 4096), batch_size=1, prompt_len=1, max_out_tokens=16, gpu="h200")
+    assert info.value.argument == "weights_bytes"
+    p = plan_workspace(ModelShape(32, 32, 4096), batch_size=1, prompt_len=1, max_out_tokens=16, gpu="h200",
+                       weights_bytes=0)
+    assert p.planned_free_bytes == (143771 - 1242) * MIB
+
+
+def test_max_batch_size_and_max_out_tokens_for():
+    kw = dict(prompt_len=1, free_bytes=24 * GIB, total_bytes=24 * GIB)
+    b = inferctx.max_batch_size("llama-2-7b", max_out_tokens=2048, **kw)
+    # each sequence of 2048 tokens: 10x32x128x2048x2 + 64 x 32x2048x128x2 + 32x2048x2048x2 = 1.41 GiB
+    per_sequence = 10 * 32 * 128 * 2048 * 2 + 64 * 32 * 2048 * 128 * 2 + 32 * 2048 * 2048 * 2
+    assert b == (24 * GIB - 500 * MIB) // per_sequence == 16
+    m = inferctx.max_out_tokens_for("llama-2-7b", batch_size=16, **kw)
+    assert m >= 2048 and plan_workspace("llama-2-7b", batch_size=16, max_out_tokens=m, **kw).max_tokens == m
+    assert plan_workspace("llama-2-7b", batch_size=16, max_out_tokens=m + 1, **kw).max_tokens <= m
+    # Llama-2-70B (8 KV heads): 10x64x128x2048x2 + 160 x 8x2048x128x2 + 64x2048x2048x2 = 1,543,503,872 B
+    assert inferctx.max_batch_size("llama-2-70b", max_out_tokens=2048, **kw) == \
+        (24 * GIB - 500 * MIB) // 1_543_503_872 == 16
+    # Llama-3.1-405B: 2.81 GB per sequence of 2048 tokens does not fit in 2 GiB less the reserve
+    assert inferctx.max_batch_size("llama-3.1-405b", max_out_tokens=2048, prompt_len=1, free_bytes=2 * GIB,
+                                   total_bytes=2 * GIB) == 0
