@@ -444,3 +444,24 @@ def test_cudamalloc_fallback_suite():
     tail = done.stdout[-4000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     assert " passed" in done.stdout and " failed" not in done.stdout, tail
+
+
+# -- the README's section ---------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_the_readme_release_example_runs_as_written(tmp_path):
+    pytest.importorskip("torch")
+    if FALLBACK:
+        pytest.skip("the README example shows CUDA virtual memory: views alive through a release")
+    import re
+
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    text = open(readme, encoding="utf-8").read()
+    start = text.index("## Release and retake\n")
+    end = text.find("\n## ", start + 1)
+    blocks = re.findall(r"```python\n(.*?)```", text[start:end], re.S)
+    assert len(blocks) == 1
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-c", blocks[0]], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
