@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <cstdint>
 #include <cstdio>
 #include <set>
@@ -453,6 +454,42 @@ TEST_CASE("gpu: a destroyed graph gives its slot back; the next site on it start
   INFERCTX_CUDA(cudaMemcpy(got.data(), mask.ptr, static_cast<size_t>(words) * 4, cudaMemcpyDeviceToHost), 0);
   CHECK(check_mask("reused slot, replay 0", got,
                    graph_reference(ctx->philox().seed(), fresh.source.graph.site, 0, 0.5, n)));
+}
+
+TEST_CASE("gpu: a graph that outlives its GraphRng (the context's part) replays on from memory its user objects hold") {
+  OwnedStream st;
+  PhiloxState philox(2718);
+  auto rng = std::make_unique<GraphRng>(0, philox);
+  const int64_t n = 2048;
+  const int64_t words = n / 32;
+  DeviceBuffer x(n * 4), y(n * 4), mask(words * 4);
+  fill_ones(x.ptr, n, F32);
+  INFERCTX_CUDA(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeGlobal), 0);
+  const PhiloxSource src = rng->draw(st.s, 4);
+  dropout_forward(x.ptr, y.ptr, mask.ptr, n, F32, 0.5, kBits, src, st.s, 0);
+  cudaGraph_t graph = nullptr;
+  INFERCTX_CUDA(cudaStreamEndCapture(st.s, &graph), 0);
+  cudaGraphExec_t exec = nullptr;
+  INFERCTX_CUDA(cudaGraphInstantiate(&exec, graph, 0), 0);
+  CHECK_EQ(src.graph.site, uint64_t{0});  // a fresh state numbers from 0
+  DeviceBuffer all(3 * words * 4);
+  INFERCTX_CUDA(cudaGraphLaunch(exec, st.s), 0);
+  keep_mask(all, 0, mask.ptr, words, st.s);
+  INFERCTX_CUDA(cudaStreamSynchronize(st.s), 0);
+  rng.reset();  // the owner goes while the graph holds a site: the memory stays
+  for (int r = 1; r < 3; ++r) {
+    INFERCTX_CUDA(cudaGraphLaunch(exec, st.s), 0);
+    keep_mask(all, r, mask.ptr, words, st.s);
+  }
+  INFERCTX_CUDA(cudaStreamSynchronize(st.s), 0);
+  const std::vector<Mask> got = download_masks(all, 3, words);
+  for (int r = 0; r < 3; ++r)
+    CHECK(check_mask(("after the owner, replay " + std::to_string(r)).c_str(), got[r],
+                     graph_reference(2718, 0, static_cast<uint64_t>(r), 0.5, n)));
+  // The last holder's destructor takes the bookkeeping (no CUDA call there).
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  INFERCTX_CUDA(cudaDeviceSynchronize(), 0);
 }
 
 TEST_CASE("gpu: 1100 sites take a second slab; a capture on another device's stream is refused") {
