@@ -148,7 +148,8 @@ WorkspacePlan InferenceContext::gen_workspace(const PlanRequest& request) {
 WorkspacePlan InferenceContext::gen_workspace_virtual(const PlanRequest& measured) {
   WorkspacePlan next = plan_workspace(measured);  // throws before anything changes
   const int64_t need = next.workspace_bytes;      // whole granules under the exact policy
-  int64_t mapping = need;
+  int64_t mapping = need;   // bytes this call maps
+  int64_t wanted = need;    // bytes the workspace would hold (the error's requested_bytes)
   std::string state;
   bool ok = true;
   if (virtual_ == nullptr) {
@@ -162,7 +163,8 @@ WorkspacePlan InferenceContext::gen_workspace_virtual(const PlanRequest& measure
     }
     state = "no workspace was planned before";
   } else if (!released_) {
-    mapping = virtual_->round_up(need) - virtual_->size();
+    wanted = virtual_->round_up(need);
+    mapping = wanted - virtual_->size();
     if (mapping > 0) ok = virtual_->grow(need);
     state = "the previous plan (" + describe_plan(plan_) +
             ") and its workspace stay in force, at the same addresses with the same contents";
@@ -172,6 +174,7 @@ WorkspacePlan InferenceContext::gen_workspace_virtual(const PlanRequest& measure
     const int64_t extent = virtual_->size();
     const bool whole = views_alive_locked() > 0 || contents_kept_;
     mapping = whole ? std::max(need, extent) : need;
+    wanted = mapping;
     ok = virtual_->map(mapping, contents_kept_ ? host_copy_->data() : nullptr, contents_kept_ ? extent : 0,
                        own_stream_.handle());
     if (ok) {
@@ -185,13 +188,13 @@ WorkspacePlan InferenceContext::gen_workspace_virtual(const PlanRequest& measure
   if (!ok) {
     throw WorkspaceOOMError(
         "gen_workspace: mapping " + human_bytes(mapping) + " of device memory for the planned workspace (" +
-            std::to_string(next.max_tokens) + " tokens, " + human_bytes(need) + ") failed on device " +
+            std::to_string(next.max_tokens) + " tokens, " + human_bytes(wanted) + " in all) failed on device " +
             std::to_string(device_) + " although it was within the budget of " + human_bytes(next.budget_bytes) +
             " (" + next.budget_limit + ", free " + human_bytes(measured.free_bytes) + " of " +
             human_bytes(measured.total_bytes) + "): other allocations took memory meanwhile; " + state +
             ". Ask for less: a larger reserve_bytes, a lower memory_fraction (of free memory) or "
             "memory_limit_bytes, or a smaller batch_size / max_out_tokens",
-        mapping, measured.free_bytes, measured.total_bytes, next.budget_bytes, -1, -1);
+        wanted, measured.free_bytes, measured.total_bytes, next.budget_bytes, -1, -1);
   }
   commit_plan_locked(next);
   return next;

@@ -75,9 +75,10 @@ DriverApi load_driver_api() {
 }
 
 // Loaded on first use; a failure to ask (no driver) throws and is retried by the next caller.
+// Never destroyed: allocations freed by static destructors at exit still reach the driver.
 const DriverApi& driver() {
-  static const DriverApi api = load_driver_api();
-  return api;
+  static const DriverApi* const api = new DriverApi(load_driver_api());
+  return *api;
 }
 
 // The driver entry points, or WorkspaceStateError when some are missing (callers check
@@ -257,9 +258,11 @@ bool VirtualAllocation::map_range(int64_t from, int64_t to, const void* restore,
     if (restore != nullptr && cudaStreamSynchronize(stream) != cudaSuccess) cudaGetLastError();
     release_chunks(first);
   };
+  // Without contents to copy there is nothing to overlap: one handle, as few calls as cudaMalloc.
+  const int64_t chunk = restore != nullptr ? kChunkBytes : to - from;
   try {
     for (int64_t offset = from; offset < to;) {
-      const int64_t n = std::min(kChunkBytes, to - offset);
+      const int64_t n = std::min(chunk, to - offset);
       const CUdeviceptr at = static_cast<CUdeviceptr>(base_ + static_cast<unsigned long long>(offset));
       CUmemGenericAllocationHandle handle = 0;
       CUresult status = api.create(&handle, static_cast<size_t>(n), &prop, 0);
@@ -326,6 +329,7 @@ void VirtualAllocation::unmap(void* save, cudaStream_t stream) {
   auto give_up_from = [&](size_t next) {
     if (!copied.empty() && cudaStreamSynchronize(stream) != cudaSuccess) cudaGetLastError();
     release_chunks(next);
+    chunks_.clear();  // those before `next` are gone already
   };
   for (size_t i = 0; i < chunks_.size(); ++i) {
     const Chunk c = chunks_[i];

@@ -141,7 +141,7 @@ TEST_CASE("VirtualAllocation: reserve, map, grow, unmap and map again at the sam
   CHECK_THROWS(WorkspaceStateError, a.map(g, nullptr, 0, nullptr));  // mapped already
   CHECK(writable(a, s.handle(), 0x3C));
 
-  // Grow past one 2 GiB chunk: the first bytes stay where they were, with their contents.
+  // Grow to 3 GiB: the first bytes stay where they were, with their contents.
   test_pattern::fill(base, first, 11, s.handle());
   CHECK(a.grow(first / 2));  // smaller: nothing to do
   CHECK_EQ(a.size(), first);
@@ -171,7 +171,7 @@ TEST_CASE("VirtualAllocation: reserve, map, grow, unmap and map again at the sam
   CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
 }
 
-TEST_CASE("VirtualAllocation: contents saved by unmap come back byte for byte with map (4.5 GiB, 3 chunks)") {
+TEST_CASE("VirtualAllocation: contents saved by unmap come back byte for byte with map (4.5 GiB: 3 chunks)") {
   if (!vmm_device()) return;
   Stream s = Stream::create(kDevice);
   const int64_t bytes = 4 * kGiB_ + kGiB_ / 2;
@@ -201,37 +201,42 @@ TEST_CASE("VirtualAllocation: contents saved by unmap come back byte for byte wi
 TEST_CASE("VirtualAllocation: a map or grow that cannot be had answers false and changes nothing") {
   if (!vmm_device()) return;
   Stream s = Stream::create(kDevice);
+  const int64_t bytes = 6 * kGiB_;
   VirtualAllocation a(kDevice, total_memory());
-  CHECK(a.map(256 * kMiB_, nullptr, 0, nullptr));
+  CHECK(a.map(bytes, nullptr, 0, nullptr));
   void* base = a.data();
-  test_pattern::fill(base, 256 * kMiB_, 5, s.handle());
+  test_pattern::fill(base, bytes, 5, s.handle());
   INFERCTX_CUDA(cudaStreamSynchronize(s.handle()), kDevice);
-  PinnedAllocation host(256 * kMiB_);
+  PinnedAllocation host(bytes);
   {
-    // About 4.5 GiB left free: a grow to 256 MiB + free + 2 GiB maps two 2 GiB chunks, fails on
-    // the third, and must undo the two.
+    // About 4.5 GiB left free.
     Hog hog(4 * kGiB_ + kGiB_ / 2);
     const int64_t free_before = free_memory();
     CHECK(free_before < 5 * kGiB_ && free_before > 4 * kGiB_);
-    CHECK(!a.grow(std::min(a.capacity(), 256 * kMiB_ + free_before + 2 * kGiB_)));
-    CHECK_EQ(a.size(), 256 * kMiB_);
+    // A grow of more than is free: false, the mapping and its contents as they were.
+    CHECK(!a.grow(std::min(a.capacity(), bytes + free_before + 2 * kGiB_)));
+    CHECK_EQ(a.size(), bytes);
     CHECK(a.accessible());
     CHECK(a.data() == base);
     CHECK(free_memory() >= free_before - 2 * kMiB_);  // nothing kept from the failed attempt
-    CHECK_EQ(test_pattern::mismatches(base, 256 * kMiB_, 5, s.handle()), int64_t{0});
+    CHECK_EQ(test_pattern::mismatches(base, bytes, 5, s.handle()), int64_t{0});
 
+    // Saved and unmapped, then mapped again with the contents: 2 GiB chunks, two of which fit in
+    // the 4.5 GiB left once the hog has the freed 6 GiB too. The third fails; the two are undone
+    // after their queued copies.
     a.unmap(host.data(), s.handle());
-    // With the memory gone, the hog takes it, and mapping the old bytes again fails.
-    Hog more(16 * kMiB_);
-    CHECK(free_memory() < 256 * kMiB_);
-    CHECK(!a.map(256 * kMiB_, host.data(), 256 * kMiB_, s.handle()));
+    Hog more(4 * kGiB_ + kGiB_ / 2);
+    const int64_t free_now = free_memory();
+    CHECK(free_now < 5 * kGiB_ && free_now > 4 * kGiB_);
+    CHECK(!a.map(bytes, host.data(), bytes, s.handle()));
     CHECK(!a.accessible());
-    CHECK_EQ(a.size(), 256 * kMiB_);
+    CHECK_EQ(a.size(), bytes);
+    CHECK(free_memory() >= free_now - 2 * kMiB_);
     CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
   }
-  CHECK(a.map(256 * kMiB_, host.data(), 256 * kMiB_, s.handle()));
+  CHECK(a.map(bytes, host.data(), bytes, s.handle()));
   CHECK(a.data() == base);
-  CHECK_EQ(test_pattern::mismatches(base, 256 * kMiB_, 5, s.handle()), int64_t{0});
+  CHECK_EQ(test_pattern::mismatches(base, bytes, 5, s.handle()), int64_t{0});
 }
 
 TEST_CASE("context: keep_contents gives an 896 MiB workspace back byte for byte; the host copy is reused") {

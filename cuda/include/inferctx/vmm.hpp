@@ -32,9 +32,10 @@ int64_t virtual_memory_granularity(int device);
 // span. Not thread-safe: the owner (the context) serialises calls; accessible() may be read from
 // any thread.
 //
-// Physical memory comes in chunks of at most kChunkBytes, each its own cuMemCreate handle, so that
-// a copy of the contents can run beside the mapping of the next chunk, and a grow adds chunks
-// without touching those mapped before.
+// Physical memory comes in chunks, each its own cuMemCreate handle: one for a whole map() or
+// grow() (the fewest driver calls, as one cudaMalloc makes), or chunks of at most kChunkBytes when
+// contents are copied in, so that the copy of one chunk runs while the next is being mapped. A
+// grow adds chunks without touching those mapped before.
 class VirtualAllocation final : public DeviceAllocation {
  public:
   static constexpr int64_t kChunkBytes = int64_t{2} << 30;
@@ -77,9 +78,10 @@ class VirtualAllocation final : public DeviceAllocation {
     unsigned long long handle;  // CUmemGenericAllocationHandle
   };
 
-  // Creates, maps and opens [from, to) chunk by chunk, appending to chunks_; with `restore`,
-  // queues the copy of each chunk's part of restore[0, restore_bytes). False on out of memory
-  // after undoing the chunks it added; throws after undoing them on any other failure.
+  // Creates, maps and opens [from, to), appending to chunks_: one chunk, or with `restore` chunks of
+  // kChunkBytes, each followed by the queued copy of its part of restore[0, restore_bytes). False
+  // on out of memory after undoing the chunks it added; throws after undoing them on any other
+  // failure.
   bool map_range(int64_t from, int64_t to, const void* restore, int64_t restore_bytes, cudaStream_t stream);
   // Unmaps and releases chunks_[first..] and forgets them; best effort, for failure paths and the
   // destructor.
