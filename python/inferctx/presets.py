@@ -80,13 +80,14 @@ _MODEL_LIST = [
 _MODELS = {m.name: m for m in _MODEL_LIST}
 
 # Memory the CUDA driver and a context take before a workspace can be planned, measured on an
-# NVIDIA H200 (driver 580.159.04, CUDA 13.0) between nvidia-smi's total (143771 MiB) and what
-# cudaMemGetInfo reports free once a context, a cuBLAS handle and its 32 MiB workspace exist
-# (142529.5 MiB): 614.5 MiB the driver reserves (cudaMemGetInfo's total is 143156.5 MiB),
-# 526.8 MiB the context, 68.0 MiB cuBLAS's handle, 32 MiB its workspace; 1242 MiB rounded up.
-# Used for every GPU preset; on a real device gen_workspace and plan_workspace(device=) read
-# free memory instead.
-CUDA_OVERHEAD_MIB = 1242
+# idle NVIDIA H200 (driver 580.159.04, CUDA 13.0): nvidia-smi's total is 143771 MiB, and the
+# free memory inferctx's gen_workspace reads once its context, cuBLAS handle and 32 MiB cuBLAS
+# workspace exist is 149,450,522,624 bytes (142527.6 MiB): 1243.4 MiB, 1244 MiB rounded up.
+# Of it, 614.5 MiB the driver reserves (cudaMemGetInfo's total is 143156.5 MiB), 526.8 MiB a
+# bare context, 68.0 MiB cuBLAS's handle, 32 MiB its workspace, 1.9 MiB inferctx's streams,
+# events and pool. Used for every GPU preset; on a real device gen_workspace and
+# plan_workspace(device=) read free memory instead.
+CUDA_OVERHEAD_MIB = 1244
 CUDA_OVERHEAD_BYTES = CUDA_OVERHEAD_MIB << 20
 
 

@@ -154,10 +154,10 @@ def test_at_least_ten_models_with_gqa_mqa_and_odd_head_sizes():
 def test_gpu_presets(name, mib):
     g = gpu_preset(name)
     assert g.total_bytes == mib * 1024 * 1024
-    # H200 measurement: nvidia-smi's 143771 MiB total, 142529.5 MiB free after a context,
-    # a cuBLAS handle and its 32 MiB workspace: 1241.5 MiB, rounded up.
-    assert CUDA_OVERHEAD_BYTES == 1242 * 1024 * 1024
-    assert g.free_bytes == (mib - 1242) * 1024 * 1024
+    # H200 measurement: nvidia-smi's 143771 MiB total, 149,450,522,624 bytes free as
+    # gen_workspace reads it: 143771 - 142527.6 = 1243.4 MiB, rounded up.
+    assert CUDA_OVERHEAD_BYTES == 1244 * 1024 * 1024
+    assert g.free_bytes == (mib - 1244) * 1024 * 1024
 
 
 def test_names_case_insensitive_and_underscores():
