@@ -29,6 +29,19 @@ def free_bytes(ctx):
     return _core._memory_info(ctx.device)[0]
 
 
+def hog(torch, ctx, leave):
+    """torch tensors holding the device's free memory until about `leave` bytes are left (in
+    1 GiB blocks, then the rest), so that an allocation larger than that must fail."""
+    blocks = []
+    device = f"cuda:{ctx.device}"
+    while free_bytes(ctx) > leave + GIB + SLACK:
+        blocks.append(torch.empty(GIB, dtype=torch.uint8, device=device))
+    rest = free_bytes(ctx) - leave
+    if rest > 2 * MIB:
+        blocks.append(torch.empty(rest, dtype=torch.uint8, device=device))
+    return blocks
+
+
 def stable_only(ctx):
     if not ctx.addresses_stable:
         pytest.skip("needs CUDA virtual memory (addresses_stable); this run is the cudaMalloc fallback")
@@ -328,8 +341,7 @@ def test_a_plan_that_cannot_be_had_keeps_the_workspace_its_address_and_contents(
     t = torch.from_dlpack(ctx.workspace)
     t.fill_(0x5A)
     address = t.data_ptr()
-    free = free_bytes(ctx)
-    hog = torch.empty(max(free - 256 * MIB, 0), dtype=torch.uint8, device=t.device)
+    taken = hog(torch, ctx, 256 * MIB)
     try:
         with pytest.raises(WorkspaceOOMError):  # 4096 tokens must fit: about 18 GiB
             plan_small(ctx, batch_size=64, max_out_tokens=4096, min_out_tokens=4096)
@@ -337,7 +349,7 @@ def test_a_plan_that_cannot_be_had_keeps_the_workspace_its_address_and_contents(
         assert ctx.workspace.ptr == address
         assert bool((t == 0x5A).all())
     finally:
-        del hog
+        del taken
         torch.cuda.empty_cache()
 
 
@@ -356,8 +368,7 @@ def test_retake_without_memory_raises_and_leaves_the_context_released_and_consis
         del t, k
         gc.collect()
     ctx.release_workspace(keep_contents=True)
-    free = free_bytes(ctx)
-    hog = torch.empty(max(free - 64 * MIB, 0), dtype=torch.uint8, device=reference.device)
+    taken = hog(torch, ctx, 64 * MIB)
     try:
         assert free_bytes(ctx) < held
         with pytest.raises(WorkspaceOOMError) as info:
@@ -375,7 +386,7 @@ def test_retake_without_memory_raises_and_leaves_the_context_released_and_consis
                 k.__dlpack__()
             assert ctx.views_alive >= 2
     finally:
-        del hog
+        del taken
         torch.cuda.empty_cache()
     assert ctx.retake_workspace() is True
     back = torch.from_dlpack(ctx.workspace)
