@@ -199,6 +199,15 @@ def test_the_reserve_step_is_gone():
     assert (tokens_of({**ds, "free_bytes": GIB}), tokens_of({**ds, "free_bytes": GIB + 1})) == (137, 77)
 
 
+@CASES
+@given(free=st.one_of(st.integers(0, INT64_MAX), st.integers(GIB - 4 * MIB, GIB + 404 * MIB)))
+def test_default_reserve_is_the_ramp(free):
+    from inferctx import _plan
+
+    assert _plan._default_reserve(free) == default_reserve(free)
+    assert free - default_reserve(free) <= (free + 1) - default_reserve(free + 1)  # the budget never falls
+
+
 def test_largest_figures_do_not_wrap():
     p = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, free_bytes=INT64_MAX,
                        total_bytes=INT64_MAX, memory_fraction=1.0)

@@ -45,7 +45,7 @@ struct PlanRequest {
   bool has_memory_limit = false;
   int64_t memory_limit_bytes = 0;
   bool has_memory_fraction = false;
-  double memory_fraction = 1.0;   // in (0, 1], a fraction of *free* memory
+  double memory_fraction = 1.0;   // in (0, 1], a fraction of *free* memory (after the weights)
   // Bytes the workspace's memory comes in (CUDA virtual memory maps whole granules): the exact
   // policy rounds workspace_bytes up to a multiple of it and fits the rounded bytes in the
   // budget. 0 or 1: no rounding. The deepspeed policy keeps DeepSpeed's bytes and ignores it.
