@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "device_hog.hpp"
 #include "device_memory.cuh"
 #include "pattern.cuh"
 #include "inferctx/context.hpp"
@@ -23,41 +24,10 @@ using namespace inferctx;
 
 namespace {
 
+using test_memory::Hog;
 using test_memory::writable;
 
 int kDevice = 0;  // the current device when main() starts
-
-// Memory held by the test itself, in blocks, until it goes out of scope.
-class Hog {
- public:
-  // Takes free memory until about `leave` bytes are left.
-  explicit Hog(int64_t leave) {
-    size_t free_b = 0, total_b = 0;
-    INFERCTX_CUDA(cudaMemGetInfo(&free_b, &total_b), kDevice);
-    int64_t want = static_cast<int64_t>(free_b) - leave;
-    int64_t block = int64_t{1} << 30;
-    while (want > 0) {
-      const int64_t n = std::min(block, want);
-      void* p = nullptr;
-      if (cudaMalloc(&p, static_cast<size_t>(n)) != cudaSuccess) {
-        cudaGetLastError();
-        if (block <= (int64_t{2} << 20)) break;
-        block /= 2;
-        continue;
-      }
-      blocks_.push_back(p);
-      want -= n;
-    }
-  }
-  ~Hog() {
-    for (void* p : blocks_) cudaFree(p);
-  }
-  Hog(const Hog&) = delete;
-  Hog& operator=(const Hog&) = delete;
-
- private:
-  std::vector<void*> blocks_;
-};
 
 int64_t free_memory() {
   size_t f = 0, t = 0;

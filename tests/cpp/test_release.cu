@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "device_hog.hpp"
 #include "device_memory.cuh"
 #include "inferctx/context.hpp"
 #include "inferctx/cuda_check.hpp"
@@ -26,6 +27,7 @@ using namespace inferctx;
 
 namespace {
 
+using test_memory::Hog;
 using test_memory::writable;
 
 int kDevice = 0;  // the current device when main() starts
@@ -43,35 +45,6 @@ int64_t total_memory() {
   INFERCTX_CUDA(cudaMemGetInfo(&f, &t), kDevice);
   return static_cast<int64_t>(t);
 }
-
-// Device memory held by the test, taken with cudaMalloc until about `leave` bytes are free.
-class Hog {
- public:
-  explicit Hog(int64_t leave) {
-    int64_t want = free_memory() - leave;
-    int64_t block = kGiB_;
-    while (want > 0) {
-      const int64_t n = std::min(block, want);
-      void* p = nullptr;
-      if (cudaMalloc(&p, static_cast<size_t>(n)) != cudaSuccess) {
-        cudaGetLastError();
-        if (block <= 2 * kMiB_) break;
-        block /= 2;
-        continue;
-      }
-      blocks_.push_back(p);
-      want -= n;
-    }
-  }
-  ~Hog() {
-    for (void* p : blocks_) cudaFree(p);
-  }
-  Hog(const Hog&) = delete;
-  Hog& operator=(const Hog&) = delete;
-
- private:
-  std::vector<void*> blocks_;
-};
 
 bool vmm_device() {
   const std::string why = virtual_memory_unsupported_reason(kDevice);
