@@ -7,8 +7,8 @@ For each input size and dtype, and for graphs of 1 and of 32 dropout calls (a de
 * "ours eager": ``inferctx.dropout(x, p, out=y, mask_out=m)`` called directly (host
   ``increment_offset(4)``, one capture query);
 * "ours graph": the same calls captured by ``torch.cuda.graph`` and replayed with
-  ``CUDAGraph.replay()``: each call site reads its Philox state from device memory and a one-thread
-  node after it advances its replay counter (docs/graphs.md);
+  ``CUDAGraph.replay()``: each call site reads its Philox state from device memory and the last
+  of its blocks to do so advances its replay counter (docs/graphs.md);
 * "torch eager" / "torch graph": ``torch.ops.aten.native_dropout(x, p, True)`` called directly,
   and captured and replayed the same way (torch reads its seed and offset from tensors it fills
   before each replay).

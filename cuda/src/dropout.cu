@@ -30,7 +30,9 @@
 // GraphPhiloxParams, from which each thread forms them at run time (the seed from the context's
 // header, the counter from the site's replay number, the site folded into the subsequence's top
 // word); the key schedule is then key + r * (W0, W1), one add per round, rather than 20 registers.
-// The eager instantiations take the inputs from the parameter space exactly as before.
+// The last block to have read the state advances the site for the next replay (graph_rng.cuh:
+// arrive_and_advance), so a captured call is one kernel node. The eager instantiations take the
+// inputs from the parameter space exactly as before.
 #include "inferctx/dropout.hpp"
 
 #include <cuda_bf16.h>
@@ -90,9 +92,10 @@ struct PhiloxRegisters {
 // What a captured call's kernel gets: where its site's state lives.
 struct GraphPhiloxParams {
   const GraphRngHeader* header;
-  const GraphRngSlot* slot;
+  GraphRngSlot* slot;
   uint64_t uid;
   uint64_t counters_per_replay;  // the site's offset step / 4
+  uint64_t max_replays;          // graph_max_replays(step)
   uint32_t site_word;            // site << 4: subsequence (site << 36) + i / 4 has top word site_word | hi32(i / 4)
 };
 
@@ -108,11 +111,13 @@ struct ForwardParams {
 // The Philox inputs of a call: the parameter-space constants themselves (eager), or, for a
 // captured call, those of replay r of its site: counter (2^63 + step * r) / 4, key = the seed read
 // now, and the site's subsequence band folded into round 1's z word (z = r1_z ^ hi32(subsequence)
-// and site_word's bits are above those of hi32(i / 4) < 2^4).
+// and site_word's bits are above those of hi32(i / 4) < 2^4). Every thread of the block calls it
+// (the captured form counts the block in the site's arrivals: a barrier).
 __device__ __forceinline__ const PhiloxConstants& philox_inputs(const PhiloxConstants& c) { return c; }
 
 __device__ __forceinline__ PhiloxRegisters philox_inputs(const GraphPhiloxParams& g) {
   const detail::GraphDraw d = detail::read_graph_draw(g.header, g.slot, g.uid);
+  detail::arrive_and_advance(g.slot, g.uid, d, g.max_replays);
   const uint64_t counter = kGraphOffsetBase / 4 + d.replay * g.counters_per_replay;
   const uint32_t ctr0 = static_cast<uint32_t>(counter);
   const uint32_t ctr1 = static_cast<uint32_t>(counter >> 32);
@@ -717,13 +722,12 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
   P.philox.slot = g.slot;
   P.philox.uid = g.uid;
   P.philox.counters_per_replay = g.step / 4;
+  P.philox.max_replays = graph_max_replays(g.step);
   P.philox.site_word = static_cast<uint32_t>(graph_subsequence_base(g.site) >> 32);
   P.threshold = threshold;
   P.scale = scale;
   P.n = n;
-  run(P);
-  // Same stream, right after: the next launch (replay) of this call sees r + 1.
-  advance_graph_site(g, stream, dev);
+  run(P);  // its last block to read the site's state advances it: the next launch sees r + 1
 }
 
 void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, double p,

@@ -25,15 +25,12 @@ bool special_stream(cudaStream_t stream) {
   return stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
 }
 
-// The node captured after each drawing kernel: replay r leaves r + 1 for the next one (1 when the
-// slot was not this site's in this epoch). Saturates at the last replay the site's offsets allow
-// (2^61 for dropout, never reached in practice) rather than wrap into the eager half.
+// The node to capture after a drawing kernel that does not advance its site itself: replay r
+// leaves r + 1 for the next one (1 when the slot was not this site's in this epoch).
 __global__ void advance_site_kernel(const GraphRngHeader* header, GraphRngSlot* slot, uint64_t uid,
                                     uint64_t max_replays) {
   const detail::GraphDraw d = detail::read_graph_draw(header, slot, uid);
-  const uint64_t next = d.replay + 1 < max_replays ? d.replay + 1 : max_replays - 1;
-  *reinterpret_cast<ulonglong2*>(slot) = make_ulonglong2(next, d.epoch);
-  *(reinterpret_cast<ulonglong2*>(slot) + 1) = make_ulonglong2(uid, 0);
+  detail::write_graph_slot(slot, uid, d.epoch, detail::next_graph_replay(d.replay, max_replays));
 }
 
 __global__ void write_header_kernel(GraphRngHeader* header, uint64_t seed, uint64_t epoch) {

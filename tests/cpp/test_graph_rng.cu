@@ -127,6 +127,12 @@ std::vector<Mask> download_masks(const DeviceBuffer& all, int64_t count, int64_t
   return out;
 }
 
+GraphRngSlot read_slot(const GraphPhilox& g) {
+  GraphRngSlot slot{};
+  INFERCTX_CUDA(cudaMemcpy(&slot, g.slot, sizeof(slot), cudaMemcpyDeviceToHost), -1);
+  return slot;
+}
+
 // Uploads n elements of `dtype` of value 1 (so y is the scale where kept, 0 where dropped).
 void fill_ones(void* x, int64_t n, int dtype) {
   const int64_t elem = dtype_size(dtype);
@@ -286,6 +292,75 @@ TEST_CASE("gpu: 200 replays of a raw capture: fresh masks, each cuRAND's at (sit
   CHECK_EQ(distinct.size(), static_cast<size_t>(kReplays + 2));
   // The eager offsets went on from the host counter as if no graph existed.
   CHECK_EQ(e1.second, uint64_t{4});
+  // The slot as the last replay left it: 200 replays in this epoch, no arrivals pending.
+  const GraphRngSlot slot = read_slot(step.source.graph);
+  CHECK_EQ(slot.replays, uint64_t{kReplays});
+  CHECK_EQ(slot.uid, step.source.graph.uid);
+  CHECK_EQ(slot.arrivals, uint64_t{0});
+  CHECK_EQ(slot.epoch, ctx->philox().snapshot().epoch);
+}
+
+TEST_CASE("gpu: the last block to read the state advances it, whatever the grid: 1, 7 (capped) or 128 blocks") {
+  auto ctx = InferenceContext::instance(0);
+  OwnedStream st;
+  const uint64_t seed = ctx->philox().seed();
+  struct Shape {
+    int64_t n;
+    int max_blocks;
+  };
+  for (const Shape shape : {Shape{1000, 0}, Shape{int64_t{1} << 20, 7}, Shape{int64_t{1} << 20, 0}}) {
+    const int64_t n = shape.n;
+    const int64_t words = (n + 31) / 32;
+    DeviceBuffer x(n * 4), y(n * 4), mask(words * 4);
+    fill_ones(x.ptr, n, F32);
+    INFERCTX_CUDA(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeGlobal), 0);
+    const PhiloxSource src = ctx->graph_rng().draw(st.s, 4);
+    dropout_forward(x.ptr, y.ptr, mask.ptr, n, F32, 0.2, kBits, src, st.s, 0, shape.max_blocks);
+    cudaGraph_t graph = nullptr;
+    INFERCTX_CUDA(cudaStreamEndCapture(st.s, &graph), 0);
+    cudaGraphExec_t exec = nullptr;
+    INFERCTX_CUDA(cudaGraphInstantiate(&exec, graph, 0), 0);
+    DeviceBuffer all(3 * words * 4);
+    for (int r = 0; r < 3; ++r) {
+      INFERCTX_CUDA(cudaGraphLaunch(exec, st.s), 0);
+      keep_mask(all, r, mask.ptr, words, st.s);
+    }
+    INFERCTX_CUDA(cudaStreamSynchronize(st.s), 0);
+    const std::vector<Mask> got = download_masks(all, 3, words);
+    for (int r = 0; r < 3; ++r)
+      CHECK(check_mask(("n " + std::to_string(n) + ", max_blocks " + std::to_string(shape.max_blocks) +
+                        ", replay " + std::to_string(r)).c_str(),
+                       got[r], graph_reference(seed, src.graph.site, static_cast<uint64_t>(r), 0.2, n)));
+    const GraphRngSlot slot = read_slot(src.graph);
+    CHECK_EQ(slot.replays, uint64_t{3});
+    CHECK_EQ(slot.arrivals, uint64_t{0});
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+}
+
+TEST_CASE("gpu: advance_graph_site, the node for kernels that do not advance their site, counts replays") {
+  auto ctx = InferenceContext::instance(0);
+  OwnedStream st;
+  INFERCTX_CUDA(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeGlobal), 0);
+  const GraphPhilox site = ctx->graph_rng().capture(st.s, 9);
+  advance_graph_site(site, st.s, 0);
+  cudaGraph_t graph = nullptr;
+  INFERCTX_CUDA(cudaStreamEndCapture(st.s, &graph), 0);
+  CHECK_EQ(site.step, uint64_t{12});
+  cudaGraphExec_t exec = nullptr;
+  INFERCTX_CUDA(cudaGraphInstantiate(&exec, graph, 0), 0);
+  for (int r = 0; r < 4; ++r) INFERCTX_CUDA(cudaGraphLaunch(exec, st.s), 0);
+  INFERCTX_CUDA(cudaStreamSynchronize(st.s), 0);
+  const GraphRngSlot slot = read_slot(site);
+  CHECK_EQ(slot.replays, uint64_t{4});
+  CHECK_EQ(slot.uid, site.uid);
+  CHECK_EQ(slot.arrivals, uint64_t{0});
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  GraphPhilox bad = site;
+  bad.uid = 0;
+  CHECK_THROWS(ConfigError, advance_graph_site(bad, st.s, 0));
 }
 
 TEST_CASE("gpu: fp16 and bf16 with byte masks and odd sizes, and explicit host values baked in") {

@@ -69,8 +69,8 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
 // Forward drawing from `source` (graph_rng.hpp): host (seed, offset) as above, or a captured call
 // site. For a site the kernel reads the seed and the replay number r from the site's device state
 // when it runs, so element i uses curand_init(seed, (site << 36) + i / 4, 2^63 + site.step * r),
-// and a one-thread kernel queued right after it on `stream` advances r (at every replay of the
-// graph the call was captured into; outside capture, at every call). ConfigError("n") for more
+// and the last of its blocks to read that state advances r (at every replay of the graph the
+// call was captured into; outside capture, at every call): a captured call is one kernel node. ConfigError("n") for more
 // than 2^38 elements from a site, ConfigError("site") for a malformed site. p rounding to 0 or 1
 // draws nothing and leaves r as it is.
 void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,

@@ -9,9 +9,12 @@
 //   device memory holding its replay counter, and a CUDA user object, retained by the graph being
 //   captured, that keeps the slot (and the context's device header) alive for as long as the
 //   graph or any executable graph instantiated from it exists.
-// - At replay (no host call): the kernel reads the seed from the header and the replay number r
-//   from the slot, draws with offset 2^63 + step * r (step 4 for dropout), and a one-thread kernel captured right after it
-//   on the same stream advances the slot's counter. Launches of one executable graph are
+// - At replay (no host call): every block of the kernel reads the seed from the header and the
+//   replay number r from the slot, and draws with offset 2^63 + step * r (step 4 for dropout).
+//   Then each block counts itself in the slot's arrivals (an acq_rel atomic); the last block to
+//   arrive, when every block has read the state, advances the slot to r + 1 and clears the
+//   count. So a captured call stays one kernel node. (A kernel that cannot do this is followed
+//   by advance_graph_site's one-thread node instead.) Launches of one executable graph are
 //   serialised by CUDA, so replay r + 1 always sees the counter that replay r left. (Executable
 //   graphs instantiated twice from one captured graph share its counters: do not run those
 //   concurrently.)
@@ -55,7 +58,7 @@ struct alignas(32) GraphRngSlot {
   uint64_t replays;  // replays run since `epoch` began (valid only while epoch and uid match)
   uint64_t epoch;
   uint64_t uid;      // the site that owns the slot now (slots are reused after a graph dies)
-  uint64_t reserved;
+  uint64_t arrivals; // blocks of the running launch that have read the state (0 between launches)
 };
 
 // One captured call site: what its kernels read at replay time.
@@ -103,8 +106,9 @@ struct GraphRngStats {
 // invalidated, and for the legacy stream while a blocking stream is capturing.
 bool stream_capturing(cudaStream_t stream, int device);
 
-// Queues on `stream` the advance of `site`'s replay counter: the node that follows a captured
-// kernel (dropout_forward queues it itself). Also usable outside capture (then it counts a call).
+// Queues on `stream` the advance of `site`'s replay counter: the node to follow a captured kernel
+// that reads the site's state but does not advance it itself (dropout's kernels do). Also usable
+// outside capture (then it counts a call).
 void advance_graph_site(const GraphPhilox& site, cudaStream_t stream, int device = -1);
 
 class GraphRng {

@@ -13,8 +13,8 @@
 // (unchanged cost), graph replays the upper half. A captured call site gets, at capture time, the
 // context's next site number k (never reused); its 2^36-wide band of subsequences keeps it apart
 // from every other site (a drawn array has at most 2^38 elements, so i / 4 < 2^36: 512 GiB of
-// fp16), and the replay number r, a device-side counter that a node after the captured kernel
-// advances (graph_rng.hpp), keeps its replays apart. So no two draws between two set_seed calls
+// fp16), and the replay number r, a device-side counter that the captured kernel advances as it
+// runs (graph_rng.hpp), keeps its replays apart. So no two draws between two set_seed calls
 // share a (subsequence, offset) pair: eager ones differ from graph ones in offset bit 63, two
 // sites in their subsequence band, two replays of one site in the offset. Replays per site:
 // 2^63 / step (2^61 for dropout: 73 years at a replay per nanosecond); sites per context: 2^28.
