@@ -31,8 +31,6 @@ using test_memory::Hog;
 using test_memory::writable;
 
 int kDevice = 0;  // the current device when main() starts
-constexpr int64_t kMiB_ = int64_t{1} << 20;
-constexpr int64_t kGiB_ = int64_t{1} << 30;
 
 int64_t free_memory() {
   size_t f = 0, t = 0;
@@ -88,8 +86,8 @@ TEST_CASE("VirtualAllocation: reserve, map, grow, unmap and map again at the sam
   if (!vmm_device()) return;
   const int64_t g = virtual_memory_granularity(kDevice);
   Stream s = Stream::create(kDevice);
-  VirtualAllocation a(kDevice, 5 * kGiB_ + 1);
-  CHECK_EQ(a.capacity(), 5 * kGiB_ + g);  // rounded up to the granularity
+  VirtualAllocation a(kDevice, 5 * kGiB + 1);
+  CHECK_EQ(a.capacity(), 5 * kGiB + g);  // rounded up to the granularity
   CHECK_EQ(a.granularity(), g);
   CHECK(a.data() != nullptr);
   CHECK_EQ(reinterpret_cast<uintptr_t>(a.data()) % static_cast<uintptr_t>(g), uintptr_t{0});
@@ -105,12 +103,12 @@ TEST_CASE("VirtualAllocation: reserve, map, grow, unmap and map again at the sam
 
   void* base = a.data();
   const int64_t free0 = free_memory();
-  CHECK(a.map(100 * kMiB_ + 1, nullptr, 0, nullptr));
-  const int64_t first = a.round_up(100 * kMiB_ + 1);
+  CHECK(a.map(100 * kMiB + 1, nullptr, 0, nullptr));
+  const int64_t first = a.round_up(100 * kMiB + 1);
   CHECK_EQ(a.size(), first);
   CHECK(a.accessible());
   CHECK_EQ(a.mapped_bytes(), first);
-  CHECK(free0 - free_memory() >= first - 2 * kMiB_);
+  CHECK(free0 - free_memory() >= first - 2 * kMiB);
   CHECK_THROWS(WorkspaceStateError, a.map(g, nullptr, 0, nullptr));  // mapped already
   CHECK(writable(a, s.handle(), 0x3C));
 
@@ -118,8 +116,8 @@ TEST_CASE("VirtualAllocation: reserve, map, grow, unmap and map again at the sam
   test_pattern::fill(base, first, 11, s.handle());
   CHECK(a.grow(first / 2));  // smaller: nothing to do
   CHECK_EQ(a.size(), first);
-  CHECK(a.grow(3 * kGiB_));
-  CHECK_EQ(a.size(), 3 * kGiB_);
+  CHECK(a.grow(3 * kGiB));
+  CHECK_EQ(a.size(), 3 * kGiB);
   CHECK(a.data() == base);
   CHECK_EQ(test_pattern::mismatches(base, first, 11, s.handle()), int64_t{0});
   CHECK(writable(a, s.handle(), 0x3D));
@@ -127,15 +125,15 @@ TEST_CASE("VirtualAllocation: reserve, map, grow, unmap and map again at the sam
   const int64_t held = free_memory();
   a.unmap(nullptr, nullptr);
   CHECK(!a.accessible());
-  CHECK_EQ(a.size(), 3 * kGiB_);  // kept for the next map
+  CHECK_EQ(a.size(), 3 * kGiB);  // kept for the next map
   CHECK_EQ(a.mapped_bytes(), int64_t{0});
-  CHECK(free_memory() - held >= 3 * kGiB_ - 2 * kMiB_);
+  CHECK(free_memory() - held >= 3 * kGiB - 2 * kMiB);
   a.unmap(nullptr, nullptr);  // unmapped already: nothing to do
 
   CHECK(a.map(a.size(), nullptr, 0, nullptr));
   CHECK(a.data() == base);
   const int64_t remapped = free_memory();
-  CHECK(remapped <= held + 2 * kMiB_ && remapped >= held - 2 * kMiB_);
+  CHECK(remapped <= held + 2 * kMiB && remapped >= held - 2 * kMiB);
   CHECK(writable(a, s.handle(), 0x3E));
   a.unmap(nullptr, nullptr);
   CHECK(a.map(g, nullptr, 0, nullptr));  // a smaller map after an unmap: size() follows
@@ -147,7 +145,7 @@ TEST_CASE("VirtualAllocation: reserve, map, grow, unmap and map again at the sam
 TEST_CASE("VirtualAllocation: contents saved by unmap come back byte for byte with map (4.5 GiB: 3 chunks)") {
   if (!vmm_device()) return;
   Stream s = Stream::create(kDevice);
-  const int64_t bytes = 4 * kGiB_ + kGiB_ / 2;
+  const int64_t bytes = 4 * kGiB + kGiB / 2;
   VirtualAllocation a(kDevice, bytes);
   CHECK(a.map(bytes, nullptr, 0, nullptr));
   test_pattern::fill(a.data(), bytes, 77, s.handle());
@@ -156,25 +154,25 @@ TEST_CASE("VirtualAllocation: contents saved by unmap come back byte for byte wi
   const int64_t held = free_memory();
   a.unmap(host.data(), s.handle());
   CHECK(!a.accessible());
-  CHECK(free_memory() - held >= bytes - 2 * kMiB_);
+  CHECK(free_memory() - held >= bytes - 2 * kMiB);
   // The host copy holds the pattern (spot checks across the chunk boundaries).
   const auto* h = static_cast<const unsigned char*>(host.data());
   int wrong = 0;
-  for (int64_t i : {int64_t{0}, int64_t{1}, 2 * kGiB_ - 1, 2 * kGiB_, 4 * kGiB_ + 12345, bytes - 1})
+  for (int64_t i : {int64_t{0}, int64_t{1}, 2 * kGiB - 1, 2 * kGiB, 4 * kGiB + 12345, bytes - 1})
     wrong += h[i] != test_pattern::byte_at(i, 77);
   CHECK_EQ(wrong, 0);
   CHECK(a.map(bytes, host.data(), bytes, s.handle()));
   CHECK_EQ(test_pattern::mismatches(a.data(), bytes, 77, s.handle()), int64_t{0});
   // Only the first restore_bytes come back: the rest is whatever the new memory holds.
   a.unmap(nullptr, nullptr);
-  CHECK(a.map(bytes, host.data(), kGiB_, s.handle()));
-  CHECK_EQ(test_pattern::mismatches(a.data(), kGiB_, 77, s.handle()), int64_t{0});
+  CHECK(a.map(bytes, host.data(), kGiB, s.handle()));
+  CHECK_EQ(test_pattern::mismatches(a.data(), kGiB, 77, s.handle()), int64_t{0});
 }
 
 TEST_CASE("VirtualAllocation: a map or grow that cannot be had answers false and changes nothing") {
   if (!vmm_device()) return;
   Stream s = Stream::create(kDevice);
-  const int64_t bytes = 6 * kGiB_;
+  const int64_t bytes = 6 * kGiB;
   VirtualAllocation a(kDevice, total_memory());
   CHECK(a.map(bytes, nullptr, 0, nullptr));
   void* base = a.data();
@@ -183,28 +181,28 @@ TEST_CASE("VirtualAllocation: a map or grow that cannot be had answers false and
   PinnedAllocation host(bytes);
   {
     // About 4.5 GiB left free.
-    Hog hog(4 * kGiB_ + kGiB_ / 2);
+    Hog hog(4 * kGiB + kGiB / 2);
     const int64_t free_before = free_memory();
-    CHECK(free_before < 5 * kGiB_ && free_before > 4 * kGiB_);
+    CHECK(free_before < 5 * kGiB && free_before > 4 * kGiB);
     // A grow of more than is free: false, the mapping and its contents as they were.
-    CHECK(!a.grow(std::min(a.capacity(), bytes + free_before + 2 * kGiB_)));
+    CHECK(!a.grow(std::min(a.capacity(), bytes + free_before + 2 * kGiB)));
     CHECK_EQ(a.size(), bytes);
     CHECK(a.accessible());
     CHECK(a.data() == base);
-    CHECK(free_memory() >= free_before - 2 * kMiB_);  // nothing kept from the failed attempt
+    CHECK(free_memory() >= free_before - 2 * kMiB);  // nothing kept from the failed attempt
     CHECK_EQ(test_pattern::mismatches(base, bytes, 5, s.handle()), int64_t{0});
 
     // Saved and unmapped, then mapped again with the contents: 2 GiB chunks, two of which fit in
     // the 4.5 GiB left once the hog has the freed 6 GiB too. The third fails; the two are undone
     // after their queued copies.
     a.unmap(host.data(), s.handle());
-    Hog more(4 * kGiB_ + kGiB_ / 2);
+    Hog more(4 * kGiB + kGiB / 2);
     const int64_t free_now = free_memory();
-    CHECK(free_now < 5 * kGiB_ && free_now > 4 * kGiB_);
+    CHECK(free_now < 5 * kGiB && free_now > 4 * kGiB);
     CHECK(!a.map(bytes, host.data(), bytes, s.handle()));
     CHECK(!a.accessible());
     CHECK_EQ(a.size(), bytes);
-    CHECK(free_memory() >= free_now - 2 * kMiB_);
+    CHECK(free_memory() >= free_now - 2 * kMiB);
     CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
   }
   CHECK(a.map(bytes, host.data(), bytes, s.handle()));
@@ -217,7 +215,7 @@ TEST_CASE("context: keep_contents gives an 896 MiB workspace back byte for byte;
   ctx->release_workspace(false);
   // batch 64, 1024 tokens: activations 320 MiB, KV cache 4 x 16 MiB, attention scores 512 MiB.
   WorkspacePlan p = ctx->gen_workspace(request(1024, 64));
-  CHECK_EQ(p.workspace_bytes, int64_t{896} * kMiB_);
+  CHECK_EQ(p.workspace_bytes, int64_t{896} * kMiB);
   auto ws = ctx->workspace();
   void* address = ws->data();
   const int64_t size = ws->size();
@@ -349,7 +347,7 @@ TEST_CASE("context: gen_workspace on a released workspace, with and without view
   const int64_t before = free_memory();
   WorkspacePlan again = ctx->gen_workspace(request(16, 1));
   CHECK_EQ(ctx->held_bytes(), again.workspace_bytes);
-  CHECK(before - free_memory() <= again.workspace_bytes + 2 * kMiB_);
+  CHECK(before - free_memory() <= again.workspace_bytes + 2 * kMiB);
   CHECK(ctx->workspace()->data() == address);
   CHECK(writable(*ctx->workspace(), ctx->stream(), 0x92));
   ctx->release_workspace(false);
