@@ -40,8 +40,13 @@ cdef InferenceContext _create_context(int device):
     ctx._owner = owner
     ctx._c = owner.get()
     ctx.device = d
+    cdef shared_ptr[DevicePool] pool
     with nogil:
         ctx._handshake.reset(new CppEvent(d, False))
+        # The context's streams live as long as the process: the pool may order frees after them.
+        pool = DevicePool.of(d)
+        pool.get().note_durable(ctx._c.own_stream())
+        pool.get().note_durable(ctx._c.comm_stream())
     # Another thread may have made one meanwhile: every caller gets the same object.
     stored = _contexts.setdefault(d, ctx)
     if stored is ctx and not ctx._c.addresses_stable():

@@ -128,11 +128,18 @@ cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0
     cdef cudaError_t status
     if handle <= <uintptr_t>cudaStreamPerThread:
         return handle  # the default streams of the current device: inferctx runs on ctx's
+    cdef cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone
     if isinstance(stream, Stream):
         on = (<Stream>stream)._device
     else:
+        # Asking a capturing stream for its device would end the capture in error; whether it
+        # captures can be asked, and a handle that is no stream fails there already.
         with nogil:
-            status = cudaStreamGetDevice(<cudaStream_t>handle, &on)
+            status = cudaStreamIsCapturing(<cudaStream_t>handle, &capture)
+            if status == cudaSuccess and capture == cudaStreamCaptureStatusNone:
+                status = cudaStreamGetDevice(<cudaStream_t>handle, &on)
+        if status == cudaSuccess and capture != cudaStreamCaptureStatusNone:
+            return handle  # the kernel's own checks (same device as its operands) still apply
         if status != cudaSuccess:
             with nogil:
                 cudaGetLastError()

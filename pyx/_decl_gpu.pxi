@@ -38,6 +38,11 @@ cdef extern from "cuda_runtime_api.h" nogil:
     cudaError_t cudaEventSynchronize(cudaEvent_t event)
     cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attributes, const void* ptr)
     cudaError_t cudaStreamGetDevice(cudaStream_t stream, int* device)
+    ctypedef enum cudaStreamCaptureStatus:
+        cudaStreamCaptureStatusNone
+        cudaStreamCaptureStatusActive
+        cudaStreamCaptureStatusInvalidated
+    cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status)
 
 
 cdef extern from "cublas_v2.h" nogil:
@@ -207,5 +212,6 @@ cdef extern from "inferctx/pool.hpp" namespace "inferctx" nogil:
         PoolStats stats() except +raise_inferctx_error
         void reset_peak() except +raise_inferctx_error
         int64_t trim(int64_t keep_bytes) except +raise_inferctx_error
+        void note_durable(cudaStream_t stream) except +raise_inferctx_error
 
 ctypedef PooledAllocation* PooledAllocationPtr

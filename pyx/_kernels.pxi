@@ -243,7 +243,10 @@ def _torch_gemm(int ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
     than reading the tensors: the problem was worked out before (gemm.py's table), the devices
     agree with each other and ctx, and out (if given) overlaps no input. Returns NotImplemented
     otherwise, and gemm.py's path (which says what is wrong) takes the call."""
-    if (_gemm_plans is None or type(alpha) is not float or type(beta) is not float
+    if _torch_to_dt is None:
+        _refresh_packages()
+    if (_gemm_plans is None or _torch_to_dt is None or type(alpha) is not float
+            or type(beta) is not float
             or (trans_a is not True and trans_a is not False)
             or (trans_b is not True and trans_b is not False)
             or (tf32 is not True and tf32 is not False)):

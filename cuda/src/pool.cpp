@@ -150,14 +150,26 @@ void DevicePool::give_event(cudaEvent_t event) noexcept {
   events_.push_back(event);
 }
 
+void DevicePool::note_durable(cudaStream_t stream) {
+  require_explicit_stream(stream, "DevicePool::note_durable");
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (std::find(durable_.begin(), durable_.end(), stream) == durable_.end()) durable_.push_back(stream);
+}
+
+bool DevicePool::durable(cudaStream_t stream) const {
+  return stream == cudaStreamLegacy || stream == cudaStreamPerThread || stream == free_stream_ ||
+         std::find(durable_.begin(), durable_.end(), stream) != durable_.end();
+}
+
 void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use) noexcept {
+  bool ordered = !unknown_use;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     --live_;
+    for (cudaStream_t user : users) ordered = ordered && durable(user);
   }
   if (ptr == nullptr) return;
   CurrentDeviceScope on(device_, std::nothrow);
-  bool ordered = !unknown_use;
   if (ordered) {
     for (cudaStream_t user : users) {
       if (user == free_stream_) continue;
@@ -168,8 +180,8 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
         ordered = false;
         break;
       }
-      // The event is recorded now, after all the work queued on `user`, which includes every
-      // use of this block there. A stream that no longer exists fails here.
+      // The event is recorded now, after all the work queued on `user` (a durable stream, so
+      // it exists), which includes every use of this block there.
       const bool ok = cudaEventRecord(event, user) == cudaSuccess &&
                       cudaStreamWaitEvent(free_stream_, event, 0) == cudaSuccess;
       give_event(event);  // reusable at once: a wait takes the state recorded at the time of the call
@@ -181,7 +193,7 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
     }
   }
   if (!ordered) {
-    // A use on a stream not known (or gone): wait for everything queued on the device.
+    // A use on a stream that may be gone by now, or not known: wait for everything queued.
     if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
   }
   if (cudaFreeAsync(ptr, free_stream_) != cudaSuccess) {

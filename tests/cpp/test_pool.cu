@@ -95,10 +95,8 @@ TEST_CASE("gpu: a block is not handed out again while a stream that used it is s
   unsigned long long* total = nullptr;
   check_cuda(cudaMalloc(&total, sizeof *total), "cudaMalloc", kDevice);
   check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
-  void* ptr = nullptr;
   {
     auto block = pool->allocate(int64_t{n} * 4, producer);
-    ptr = block->data();
     fill<<<(n + 255) / 256, 256, 0, producer>>>(static_cast<int*>(block->data()), n, 1);
     cudaEvent_t filled;
     check_cuda(cudaEventCreateWithFlags(&filled, cudaEventDisableTiming), "cudaEventCreate", kDevice);
@@ -115,13 +113,12 @@ TEST_CASE("gpu: a block is not handed out again while a stream that used it is s
   unsigned long long host = 0;
   check_cuda(cudaMemcpy(&host, total, sizeof host, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
   CHECK_EQ(host, static_cast<unsigned long long>(n));  // the reader saw 1s, not the next user's 7s
-  (void)ptr;
   cudaFree(total);
   cudaStreamDestroy(producer);
   cudaStreamDestroy(reader);
 }
 
-TEST_CASE("gpu: a use on an unknown stream, or on a stream destroyed since, frees after a device synchronisation") {
+TEST_CASE("gpu: a use on an unknown stream, or on a stream that is not durable (destroyed since), frees after a device synchronisation") {
   auto pool = DevicePool::of(kDevice);
   cudaStream_t s = new_stream();
   {
@@ -133,7 +130,14 @@ TEST_CASE("gpu: a use on an unknown stream, or on a stream destroyed since, free
     auto block = pool->allocate(1 << 20, cudaStreamLegacy);
     block->note_use(s);
     check_cuda(cudaStreamDestroy(s), "cudaStreamDestroy", kDevice);
-  }  // recording on the destroyed stream fails; the free falls back to synchronising
+  }  // no event is recorded on the destroyed stream: the free synchronises the device instead
+  {
+    // A durable stream is waited for by an event (and is never destroyed).
+    cudaStream_t durable = new_stream();
+    pool->note_durable(durable);
+    auto block = pool->allocate(1 << 20, durable);
+    spin<<<1, 1, 0, durable>>>(cycles_per_ms() * 20);
+  }
   CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
   auto next = pool->allocate(1 << 20, cudaStreamLegacy);
   CHECK(next->data() != nullptr);

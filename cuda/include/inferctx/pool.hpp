@@ -9,9 +9,11 @@
 // with the consumer's stream); a use whose stream is not known (a __cuda_array_interface__
 // export, a DLPack export with stream -1) is noted as such. When the last owner lets go, the
 // block is freed on the pool's own stream after that stream has waited (by events recorded
-// then) for every noted stream, and after a device-wide synchronisation when a use was unknown
-// or a noted stream no longer exists. So memory is never handed out again while any stream that
-// was seen using it may still do so.
+// then) for every noted stream. An event can be recorded at that time only on a stream that
+// still exists, so this is done for the durable streams alone (the default streams, the pool's
+// own, and those note_durable names: the contexts' own and comm streams); a use on any other
+// stream, or an unknown use, is waited for by a device-wide synchronisation before the free.
+// So memory is never handed out again while any stream that was seen using it may still do so.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -75,6 +77,8 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // `keep_bytes` reserved. Returns the bytes reserved afterwards.
   int64_t trim(int64_t keep_bytes = 0);
   cudaStream_t free_stream() const noexcept { return free_stream_; }
+  // Declares a stream that lives as long as the process (see Ordering above).
+  void note_durable(cudaStream_t stream);
 
  private:
   explicit DevicePool(int device);
@@ -88,7 +92,9 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   cudaStream_t free_stream_ = nullptr;
   mutable std::mutex mutex_;
   std::vector<cudaEvent_t> events_;
+  std::vector<cudaStream_t> durable_;
   int64_t live_ = 0;
+  bool durable(cudaStream_t stream) const;  // mutex_ held
 };
 
 }  // namespace inferctx
