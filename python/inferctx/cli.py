@@ -28,13 +28,13 @@ INT64_MAX = (1 << 63) - 1
 MAX_SWEEP = 4096  # rows of --sweep-batch
 
 _EPILOG = f"""\
-memory: --gpu PRESET plans against the preset's total less {presets.CUDA_OVERHEAD_MIB} MiB (the CUDA
-driver's reservation, a context and cuBLAS, measured on an H200) less the model's weights, which
---weights auto (the default with --preset and --gpu) works out from the preset's parameter count
-(parameters x dtype size / --mp-size). --free-gb and the real device (--device, or no memory
-flag) give free memory as it is now: the weights are taken as loaded unless --weights auto or
---weights-gb says they are still to come. Use --gpu before loading a model, the device once it
-is loaded (as gen_workspace does).
+memory: --gpu PRESET plans against the preset's total less {presets.CUDA_OVERHEAD_MIB} MiB (the CUDA driver's
+reservation, a context and cuBLAS, measured on an H200) less the model's weights, which
+--weights auto (the default with --preset and --gpu) works out from the preset's parameter
+count (parameters x dtype size / --mp-size). --free-gb and the real device (--device, or no
+memory flag) give free memory as it is now: the weights are taken as loaded unless --weights
+auto or --weights-gb says they are still to come. Use --gpu before loading a model, the
+device once it is loaded (as gen_workspace does).
 """
 
 

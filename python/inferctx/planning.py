@@ -256,7 +256,7 @@ class Regions(Sequence[Region]):
     def __getitem__(self, index: int | slice) -> Region | tuple[Region, ...]:
         if isinstance(index, slice):
             return tuple(self[i] for i in range(*index.indices(self._len)))
-        i = _as_int(index, "index")
+        i = operator.index(index)  # TypeError for a non-integer, as a sequence raises
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:

@@ -367,3 +367,18 @@ def test_max_batch_size_and_max_out_tokens_for():
     # Llama-3.1-405B: 2.81 GB per sequence of 2048 tokens does not fit in 2 GiB less the reserve
     assert inferctx.max_batch_size("llama-3.1-405b", max_out_tokens=2048, prompt_len=1, free_bytes=2 * GIB,
                                    total_bytes=2 * GIB) == 0
+
+
+def test_regions_are_a_sequence_computed_on_access():
+    p = plan_workspace("llama-2-7b", batch_size=8, prompt_len=1, max_out_tokens=4096, **H100)
+    r = p.regions
+    assert len(r) == 66 and r[0] == ("activations", 0, 2_684_354_560)
+    # layer 31's V: kv_cache_offset + 31 x 2 x 256 MiB + 256 MiB
+    assert r[-2] == ("kv_cache[31].value", 2_684_354_560 + 31 * 2 * 268_435_456 + 268_435_456, 268_435_456)
+    assert r[1:3] == (("kv_cache[0].key", 2_684_354_560, 268_435_456),
+                      ("kv_cache[0].value", 2_684_354_560 + 268_435_456, 268_435_456))
+    assert r == tuple(r) and r == list(r) and r != tuple(r)[:-1]
+    with pytest.raises(IndexError):
+        r[66]
+    with pytest.raises(TypeError):
+        r["0"]
