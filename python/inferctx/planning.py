@@ -207,7 +207,8 @@ def _request_fields(shape: object, *, batch_size: object, prompt_len: object, ma
         "num_heads": s.num_heads,
         "hidden_dim": s.hidden_dim,
         "num_kv_heads": s.num_kv_heads,
-        "head_dim": s.head_dim,
+        # 0 when it is hidden / heads, so that the planner names hidden_dim in its messages
+        "head_dim": 0 if s.head_dim * s.num_heads == s.hidden_dim else s.head_dim,
         "batch_size": _as_int(batch_size, "batch_size"),
         "prompt_len": _as_int(prompt_len, "prompt_len"),
         "max_out_tokens": _as_int(max_out_tokens, "max_out_tokens"),
@@ -460,6 +461,7 @@ class WorkspacePlan:
         request = {k: v for k, v in self._fields.items() if k not in ("dtype", "policy")}
         request["dtype"] = self.dtype
         request["policy"] = self.policy
+        request["head_dim"] = self.shape.head_dim
         answer = dict(self._result)
         answer["regions"] = [
             {"name": "activations", "offset": self.activations_offset, "size": self.activations_bytes},

@@ -382,3 +382,15 @@ def test_regions_are_a_sequence_computed_on_access():
         r[66]
     with pytest.raises(TypeError):
         r["0"]
+
+
+def test_overflow_names_the_shape_argument_that_overflows():
+    kw = dict(batch_size=1, prompt_len=1, max_out_tokens=1, free_bytes=GIB, total_bytes=GIB)
+    for shape, argument in ((ModelShape(1, 1, 2**62), "hidden_dim"),
+                            (ModelShape(1, 1, 64, head_dim=2**62), "head_dim"),
+                            (ModelShape(2**61, 1, 64), "num_layers"),
+                            (ModelShape(1, 2**60, 2**60), "num_heads")):
+        with pytest.raises(ConfigError) as info:
+            plan_workspace(shape, **kw)
+        assert info.value.argument == argument and f"reduce {argument}" in str(info.value)
+    assert plan_workspace("llama-2-7b", **{**kw, "max_out_tokens": 4}).to_dict()["request"]["head_dim"] == 128
