@@ -230,10 +230,11 @@ GraphPhilox GraphRng::capture(cudaStream_t stream, uint64_t increment) {
   INFERCTX_CUDA(cudaStreamGetDevice(stream, &stream_device), device_);
   if (stream_device != device_) {
     throw ConfigError("stream", "stream: a CUDA graph is being captured on a stream of device " +
-                                    std::to_string(stream_device) + ", but the Philox state drawn from is the context of "
-                                    "device " + std::to_string(device_) +
-                                    "; capture on a stream of device " + std::to_string(device_) +
-                                    ", or use the context of device " + std::to_string(stream_device));
+                                    std::to_string(stream_device) +
+                                    ", but the Philox state drawn from is the context of device " +
+                                    std::to_string(device_) + "; capture on a stream of device " +
+                                    std::to_string(device_) + ", or use the context of device " +
+                                    std::to_string(stream_device));
   }
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long capture_id = 0;

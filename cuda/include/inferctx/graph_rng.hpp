@@ -34,9 +34,9 @@
 //
 // Capture-time errors (all before anything is captured for the call): a stream of another
 // device than the context's (ConfigError "stream"), a capture that is invalidated, more than
-// 2^28 sites on one context (ConfigError "site"), and any failed CUDA call (CudaError). Device memory is
-// allocated at capture time, in slabs, under the relaxed capture mode so that a capture started
-// in the global mode (torch.cuda.graph's default) is not invalidated by cudaMalloc.
+// 2^28 sites on one context (ConfigError "site"), and any failed CUDA call (CudaError). Device
+// memory is allocated at capture time, in slabs, under the relaxed capture mode so that a capture
+// started in the global mode (torch.cuda.graph's default) is not invalidated by cudaMalloc.
 #pragma once
 
 #include <cuda_runtime_api.h>
