@@ -87,20 +87,22 @@ def assert_all_distinct(rows: np.ndarray):
 
 # -- torch.cuda.graph ---------------------------------------------------------------------------
 
-def test_1000_replays_of_a_captured_gemm_dropout_step(torch, ctx):
+@pytest.mark.parametrize("with_gemm", [True, False], ids=["gemm+dropout", "dropout"])
+def test_1000_replays_of_a_captured_gemm_dropout_step(torch, ctx, with_gemm):
     m = k = 64
     n = m * k
     words = n // 32
     p = 0.25
     a = torch.randn(m, k, device="cuda")
     b = torch.randn(k, k, device="cuda")
-    c = torch.empty(m, k, device="cuda")
+    c = torch.randn(m, k, device="cuda")
     y = torch.empty_like(c)
     mask = torch.empty(words, dtype=torch.int32, device="cuda")
     set_seed_settled(torch, ctx, 2024)
 
     def step():
-        inferctx.gemm(a, b, out=c)
+        if with_gemm:
+            inferctx.gemm(a, b, out=c)
         inferctx.dropout(c, p, out=y, mask_out=mask)
 
     # Eager draws before the capture (warm-up on a side stream, as torch's capture docs advise).
