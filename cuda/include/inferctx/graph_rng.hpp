@@ -22,8 +22,9 @@
 //   epoch, written by a one-thread kernel on the stream passed (the context's compute stream), so
 //   it is ordered after the replays queued there before and before those queued after. A slot
 //   whose epoch is not the header's counts as 0 replays: every graph starts again from replay 0
-//   with the new seed, with no host call per graph. set_seed refuses to run while that stream
-//   is capturing (the write would be baked into the graph).
+//   with the new seed, with no host call per graph. Once a site was ever captured, set_seed
+//   refuses to run while that stream is capturing (the write would be baked into the graph);
+//   before that it is host work only.
 //
 // Lifetimes: the device memory (header and slots) is shared by the context and the graphs. A
 // graph that outlives its context keeps replaying correctly from memory that its user object
