@@ -70,9 +70,9 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
 // site. For a site the kernel reads the seed and the replay number r from the site's device state
 // when it runs, so element i uses curand_init(seed, (site << 36) + i / 4, 2^63 + site.step * r),
 // and the last of its blocks to read that state advances r (at every replay of the graph the
-// call was captured into; outside capture, at every call): a captured call is one kernel node. ConfigError("n") for more
-// than 2^38 elements from a site, ConfigError("site") for a malformed site. p rounding to 0 or 1
-// draws nothing and leaves r as it is.
+// call was captured into; outside capture, at every call): a captured call is one kernel node.
+// ConfigError("n") for more than 2^38 elements from a site, ConfigError("site") for a malformed
+// site. p rounding to 0 or 1 draws nothing and leaves r as it is.
 void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
                      const PhiloxSource& source, cudaStream_t stream, int device = -1, int max_blocks = 0);
 
