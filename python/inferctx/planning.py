@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union, overload
 
 from . import _plan, dtypes
-from .errors import ConfigError, NoCudaDeviceError, _brief
+from .errors import ConfigError, NoCudaDeviceError, WorkspaceOOMError, _brief
 
 if TYPE_CHECKING:
     from .presets import GpuPreset
@@ -34,7 +34,7 @@ def _as_int(value: object, argument: str, *, minimum: int | None = None) -> int:
     if isinstance(value, bool) or value is None:
         raise ConfigError(f"{argument}: got {value!r}; it must be an integer", argument=argument)
     try:
-        n = operator.index(value)  # type: ignore[call-overload]
+        n = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise ConfigError(f"{argument}: got {_brief(value)} ({type(value).__name__}); it must be an integer",
                           argument=argument) from None
@@ -127,10 +127,12 @@ class ModelShape:
             head = _as_int(head_dim, "head_dim")
             if head < 1:
                 raise ConfigError(f"head_dim: got {head}; it must be a positive integer", argument="head_dim")
-        params = None if num_params is None else _as_int(num_params, "num_params", minimum=0)
-        for name, value in (("num_layers", layers), ("num_heads", heads), ("hidden_dim", hidden),
-                            ("num_kv_heads", kv), ("head_dim", head), ("num_params", params)):
-            object.__setattr__(self, name, value)
+        params = _as_opt_int(num_params, "num_params", minimum=0)
+        values: tuple[tuple[str, int | None], ...] = (
+            ("num_layers", layers), ("num_heads", heads), ("hidden_dim", hidden),
+            ("num_kv_heads", kv), ("head_dim", head), ("num_params", params))
+        for name, field in values:
+            object.__setattr__(self, name, field)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"ModelShape is immutable: make a new one instead of setting {name}")
@@ -158,7 +160,7 @@ class ModelShape:
 
     def replace(self, **changes: Any) -> ModelShape:
         """A copy with some fields changed, e.g. ``shape.replace(num_kv_heads=8)``."""
-        fields = dict(zip(self.__slots__, self._key()))
+        fields: dict[str, Any] = dict(zip(self.__slots__, self._key()))
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"ModelShape has no fields {sorted(unknown)}")
@@ -665,7 +667,33 @@ def plan_workspace(shape: ModelShape | str, *, batch_size: int, prompt_len: int,
                              total_bytes=total_bytes, gpu=gpu, weights_bytes=weights_bytes,
                              reserve_bytes=reserve_bytes, memory_limit_bytes=memory_limit_bytes,
                              memory_fraction=memory_fraction, device=device)
-    return WorkspacePlan(fields, _plan._plan(fields), notes)
+    try:
+        result = _plan._plan(fields)
+    except WorkspaceOOMError as exc:
+        hint = _mp_hint(_as_shape(shape), fields) if "weights" in notes else None
+        if hint is None:
+            raise
+        raise WorkspaceOOMError(f"{exc.message}; {hint}", requested_bytes=exc.requested_bytes,
+                                free_bytes=exc.free_bytes, total_bytes=exc.total_bytes,
+                                budget_bytes=exc.budget_bytes, max_batch_size=exc.max_batch_size,
+                                max_out_tokens=exc.max_out_tokens) from None
+    return WorkspacePlan(fields, result, notes)
+
+
+def _mp_hint(shape: ModelShape, fields: dict[str, Any]) -> str | None:
+    """For weights (from the parameter count) above free memory: the smallest mp_size that
+    splits them below it, or the most the heads allow."""
+    if shape.num_params is None or fields["weights_bytes"] <= fields["free_bytes"]:
+        return None
+    most = math.gcd(shape.num_heads, shape.num_kv_heads)  # mp_size must divide both
+    for mp in range(fields["mp_size"] + 1, most + 1):
+        if most % mp == 0:
+            per_rank = int(_plan._weights_bytes(shape.num_params, fields["dtype"], mp))
+            if per_rank < fields["free_bytes"]:
+                return f"mp_size={mp} would put {human_bytes(per_rank)} of weights on each GPU"
+    per_rank = int(_plan._weights_bytes(shape.num_params, fields["dtype"], most))
+    return (f"even mp_size={most} (the most that divides num_heads={shape.num_heads} and "
+            f"num_kv_heads={shape.num_kv_heads}) leaves {human_bytes(per_rank)} of weights on each GPU")
 
 
 plan_workspace.__doc__ = "Plans a workspace without allocating anything.\n" + _PLAN_DOC_PARAMETERS

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, _brief
 
@@ -126,7 +126,7 @@ def _key(name: object) -> str | None:
     return name.strip().lower().replace("_", "-") if isinstance(name, str) else None
 
 
-def _lookup(table: dict, name: object, kind: str, argument: str):  # type: ignore[type-arg]
+def _lookup(table: dict[str, Any], name: object, kind: str, argument: str) -> Any:
     key = _key(name)
     if key not in table:
         raise ConfigError(f"{argument}: unknown {kind} preset {_brief(name)}; valid: {', '.join(table)}",

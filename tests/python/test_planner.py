@@ -394,3 +394,18 @@ def test_overflow_names_the_shape_argument_that_overflows():
             plan_workspace(shape, **kw)
         assert info.value.argument == argument and f"reduce {argument}" in str(info.value)
     assert plan_workspace("llama-2-7b", **{**kw, "max_out_tokens": 4}).to_dict()["request"]["head_dim"] == 128
+
+
+def test_weights_above_free_memory_say_which_mp_size_splits_them():
+    kw = dict(batch_size=1, prompt_len=1, max_out_tokens=16, gpu="rtx-4090")  # 22.77 GiB free
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("llama-2-70b", **kw)
+    # 68,976,648,192 x 2 B: / 4 = 32.12 GiB does not fit, / 8 = 17,244,162,048 B = 16.06 GiB does
+    assert str(info.value).endswith("; mp_size=8 would put 16.06 GiB of weights on each GPU")
+    assert info.value.max_batch_size is None and info.value.max_out_tokens is None
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("llama-3.1-405b", **kw)
+    # 8 KV heads allow mp 8 at most: 405,853,388,800 x 2 / 8 = 94.50 GiB
+    assert str(info.value).endswith("even mp_size=8 (the most that divides num_heads=128 and num_kv_heads=8) "
+                                    "leaves 94.50 GiB of weights on each GPU")
+    assert pickle.loads(pickle.dumps(info.value)).message == info.value.message

@@ -37,3 +37,16 @@ def test_mypy_sees_wrong_uses(tmp_path):
     assert r.returncode == 1
     assert r.stdout.count("error:") == 3, r.stdout
     shutil.rmtree(tmp_path / ".mypy_cache", ignore_errors=True)
+
+
+def test_planning_modules_pass_mypy_strict(tmp_path):
+    pytest.importorskip("mypy", reason="mypy is in the test extra: pip install '.[test]'")
+    import inferctx
+
+    # a copy of the installed package's sources and stubs, checked as sources
+    copy = tmp_path / "inferctx"
+    shutil.copytree(Path(inferctx.__file__).parent, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    modules = ("__init__", "errors", "dtypes", "planning", "presets", "cli", "_libs")
+    r = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-incremental",
+                        *(f"inferctx/{m}.py" for m in modules)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
