@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -529,6 +530,46 @@ TEST_CASE("gpu: a destroyed graph gives its slot back; the next site on it start
   INFERCTX_CUDA(cudaMemcpy(got.data(), mask.ptr, static_cast<size_t>(words) * 4, cudaMemcpyDeviceToHost), 0);
   CHECK(check_mask("reused slot, replay 0", got,
                    graph_reference(ctx->philox().seed(), fresh.source.graph.site, 0, 0.5, n)));
+}
+
+TEST_CASE("gpu: 4 threads capturing at once (thread-local mode) get unique, gap-free site numbers") {
+  auto ctx = InferenceContext::instance(0);
+  constexpr int kThreads = 4;
+  constexpr int kSites = 300;  // together more than a slab: slabs are added while others capture
+  const uint64_t first = ctx->philox().snapshot().sites;
+  std::vector<std::vector<uint64_t>> sites(kThreads);
+  std::vector<int> failures(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        INFERCTX_CUDA(cudaSetDevice(0), 0);
+        OwnedStream st;
+        INFERCTX_CUDA(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal), 0);
+        for (int i = 0; i < kSites; ++i) sites[t].push_back(ctx->graph_rng().capture(st.s, 4).site);
+        cudaGraph_t graph = nullptr;
+        INFERCTX_CUDA(cudaStreamEndCapture(st.s, &graph), 0);
+        if (graph == nullptr) ++failures[t];
+        if (graph) cudaGraphDestroy(graph);
+      } catch (const std::exception& e) {
+        std::printf("  thread %d: %s\n", t, e.what());
+        ++failures[t];
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  std::vector<uint64_t> all;
+  for (int t = 0; t < kThreads; ++t) {
+    CHECK_EQ(failures[t], 0);
+    all.insert(all.end(), sites[t].begin(), sites[t].end());
+  }
+  std::sort(all.begin(), all.end());
+  int bad = 0;
+  for (size_t i = 0; i < all.size(); ++i)
+    if (all[i] != first + i) ++bad;
+  CHECK_EQ(bad, 0);
+  CHECK_EQ(all.size(), static_cast<size_t>(kThreads * kSites));
+  CHECK(wait_live_sites(*ctx, 0));
 }
 
 TEST_CASE("gpu: a graph that outlives its GraphRng (the context's part) replays on from memory its user objects hold") {
