@@ -130,11 +130,19 @@ CUdevice driver_device(const DriverApi& api, int device) {
   return d;
 }
 
-CUmemAllocationProp pinned_device_memory(CUdevice device) {
+// Pinned memory of `device` (`ordinal` in the runtime's numbering), usable by GPUDirect RDMA where
+// the device allows it with virtual memory (as cudaMalloc memory is): NCCL and other network
+// transports may then read and write the workspace in place.
+CUmemAllocationProp pinned_device_memory(const DriverApi& api, int ordinal) {
+  const CUdevice device = driver_device(api, ordinal);
+  int rdma = 0;
+  check_driver(api.device_get_attribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, device),
+               "cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)", ordinal);
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = static_cast<int>(device);
+  prop.allocFlags.gpuDirectRDMACapable = rdma != 0 ? 1 : 0;
   return prop;
 }
 
@@ -159,7 +167,7 @@ std::string virtual_memory_unsupported_reason(int device) {
 
 int64_t virtual_memory_granularity(int device) {
   const DriverApi& api = driver_with_vmm();
-  const CUmemAllocationProp prop = pinned_device_memory(driver_device(api, device));
+  const CUmemAllocationProp prop = pinned_device_memory(api, device);
   size_t granularity = 0;
   check_driver(api.get_granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                "cuMemGetAllocationGranularity(pinned device memory, CU_MEM_ALLOC_GRANULARITY_MINIMUM)", device);
@@ -248,7 +256,7 @@ bool VirtualAllocation::grow(int64_t bytes) {
 bool VirtualAllocation::map_range(int64_t from, int64_t to, const void* restore, int64_t restore_bytes,
                                   cudaStream_t stream) {
   const DriverApi& api = driver_with_vmm();
-  const CUmemAllocationProp prop = pinned_device_memory(driver_device(api, device_));
+  const CUmemAllocationProp prop = pinned_device_memory(api, device_);
   CUmemAccessDesc access{};
   access.location = prop.location;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
