@@ -65,17 +65,30 @@ cublasStatus_t CublasHandle::bind_stream(cudaStream_t stream) noexcept {
   if (status != CUBLAS_STATUS_SUCCESS) return status;
   stream_ = stream;
   bound_workspace_ = workspace_->data();
+  bound_workspace_bytes_ = workspace_->size();
   return cublasSetWorkspace(handle_, workspace_->data(), static_cast<size_t>(workspace_->size()));
 }
 
 CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, bool capturing) {
   for (StreamWorkspace& w : workspaces_) {
-    if (w.stream == stream) return w;
+    if (w.stream != stream) continue;
+    if (w.ptr == nullptr && !capturing) {  // first seen in a capture: it gets memory now
+      w.block = DevicePool::of(device_)->allocate_now(workspace_->size());
+      w.block->note_use(stream);
+      w.ptr = w.block->data();
+    }
+    return w;
   }
   bool own_taken = false;
   for (const StreamWorkspace& w : workspaces_) own_taken = own_taken || w.block == nullptr;
   if (!own_taken) {
     workspaces_.push_back({stream, workspace_->data(), nullptr, 0, capturing});
+    return workspaces_.back();
+  }
+  if (capturing) {
+    // No memory can be taken while a stream captures (torch's global capture mode refuses any
+    // allocation): its GEMMs run without a workspace, as cuBLAS allows, until it stops capturing.
+    workspaces_.push_back({stream, nullptr, nullptr, 0, false});
     return workspaces_.back();
   }
   if (static_cast<int>(workspaces_.size()) >= kMaxStreamWorkspaces) {
@@ -104,13 +117,15 @@ bool CublasHandle::begin_use(cudaStream_t stream) {
   const bool capturing = capture != cudaStreamCaptureStatusNone;
   StreamWorkspace& w = workspace_for(stream, capturing);
   w.last_use = ++uses_;
-  w.captured = w.captured || capturing;
+  w.captured = w.captured || (capturing && w.ptr != nullptr);
   if (stream_ != stream || bound_workspace_ != w.ptr) {
     INFERCTX_CUBLAS(cublasSetStream(handle_, stream), device_);
     // cublasSetStream resets the handle to cuBLAS's own workspace pool.
-    INFERCTX_CUBLAS(cublasSetWorkspace(handle_, w.ptr, static_cast<size_t>(workspace_->size())), device_);
+    const int64_t bytes = w.ptr != nullptr ? workspace_->size() : 0;
+    INFERCTX_CUBLAS(cublasSetWorkspace(handle_, w.ptr, static_cast<size_t>(bytes)), device_);
     stream_ = stream;
     bound_workspace_ = w.ptr;
+    bound_workspace_bytes_ = bytes;
   }
   return capturing;
 }

@@ -540,7 +540,7 @@ cublasStatus_t run_lt(const CublasHandle& handle, cudaStream_t stream, const Pla
                       const cublasLtMatmulAlgo_t* algo, const void* a, const void* b, void* c, const float* alpha,
                       const float* beta) {
   return cublasLtMatmul(handle.lt(), plan.op(), alpha, b, plan.lt_a(), a, plan.lt_b(), beta, c, plan.lt_c(), c,
-                        plan.lt_c(), algo, handle.bound_workspace(), static_cast<size_t>(handle.workspace_bytes()),
+                        plan.lt_c(), algo, handle.bound_workspace(), static_cast<size_t>(handle.bound_workspace_bytes()),
                         stream);
 }
 
@@ -719,8 +719,10 @@ void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
     plan = verify_imported(handle, key, p, *plan);
   }
 
+  // A tuned cuBLASLt algorithm that needs more workspace than the stream has bound (none while
+  // it is first captured) gives way to cublasGemmEx for this call.
   if (plan->backend == GemmBackend::CublasLt &&
-      plan->workspace_bytes <= static_cast<size_t>(handle.workspace_bytes())) {
+      plan->workspace_bytes <= static_cast<size_t>(handle.bound_workspace_bytes())) {
     const cublasStatus_t status = run_lt(handle, stream, *plan, &plan->algo, a, b, c, &alpha, &beta);
     if (status != CUBLAS_STATUS_NOT_SUPPORTED) {
       check_cublas(status, "cublasLtMatmul", device);

@@ -226,16 +226,8 @@ GraphPhilox GraphRng::capture(cudaStream_t stream, uint64_t increment) {
                                        "; a draw captured into a CUDA graph takes at most 2^62 values per element "
                                        "group");
   CurrentDeviceScope on(device_);
-  int stream_device = -1;
-  INFERCTX_CUDA(cudaStreamGetDevice(stream, &stream_device), device_);
-  if (stream_device != device_) {
-    throw ConfigError("stream", "stream: a CUDA graph is being captured on a stream of device " +
-                                    std::to_string(stream_device) +
-                                    ", but the Philox state drawn from is the context of device " +
-                                    std::to_string(device_) + "; capture on a stream of device " +
-                                    std::to_string(device_) + ", or use the context of device " +
-                                    std::to_string(stream_device));
-  }
+  // The stream's device is not asked for: cudaStreamGetDevice on a capturing stream fails and
+  // ends the capture. A stream of another device fails at the kernel's launch instead.
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long capture_id = 0;
   cudaGraph_t graph = nullptr;

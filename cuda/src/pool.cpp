@@ -125,8 +125,9 @@ int64_t DevicePool::trim(int64_t keep_bytes) {
     throw ConfigError("keep_bytes", "keep_bytes: got " + std::to_string(keep_bytes) + "; it must be >= 0");
   }
   CurrentDeviceScope on(device_);
-  // Blocks whose free is still queued are in use until the free stream reaches them.
-  INFERCTX_CUDA(cudaStreamSynchronize(free_stream_), device_);
+  // Blocks whose free is still queued (on the free stream or a durable stream) are in use until
+  // their stream reaches it.
+  INFERCTX_CUDA(cudaDeviceSynchronize(), device_);
   INFERCTX_CUDA(cudaMemPoolTrimTo(pool_, static_cast<size_t>(keep_bytes)), device_);
   return pool_attribute(pool_, cudaMemPoolAttrReservedMemCurrent, device_);
 }
@@ -170,6 +171,12 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
   }
   if (ptr == nullptr) return;
   CurrentDeviceScope on(device_, std::nothrow);
+  if (ordered && users.size() == 1) {
+    // Used on one durable stream only (the common case): freed in its order, where the next
+    // allocation on it takes the block straight back.
+    if (cudaFreeAsync(ptr, users.front()) == cudaSuccess) return;
+    cudaGetLastError();
+  }
   if (ordered) {
     for (cudaStream_t user : users) {
       if (user == free_stream_) continue;

@@ -204,7 +204,10 @@ def test_torch_consumer_stream_is_honoured(ctx):
     t = torch.from_dlpack(k)
     t.zero_()
     torch.cuda.synchronize()
-    compute = torch.cuda.ExternalStream(ctx.stream.handle)
+    # ctx.stream follows torch's current stream unless pinned; pinned, it is the producer of
+    # every export, also inside the consumer's `with torch.cuda.stream(side)` below.
+    compute = torch.cuda.Stream()
+    ctx.use_stream(compute)
     with torch.cuda.stream(compute):
         torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time, then the write
         t.fill_(5.0)
@@ -223,6 +226,18 @@ def test_torch_tensor_outlives_release_and_the_context(ctx):
     t = torch.from_dlpack(k)
     del k, v
     gc.collect()
+    if ctx.addresses_stable:
+        # CUDA virtual memory: a release with views alive keeps their addresses; after the
+        # retake t is the workspace again.
+        ctx.release_workspace()
+        assert ctx.released and ctx.views_alive == 1  # the view inside t's capsule
+        assert ctx.retake_workspace()
+        k, _ = ctx.kv_cache(0)
+        assert k.ptr == t.data_ptr()
+        t.fill_(3.0)
+        torch.cuda.synchronize()
+        assert float(torch.from_dlpack(k).float().sum()) == 3.0 * t.numel()
+        return
     with pytest.raises(WorkspaceInUseError) as info:
         ctx.release_workspace()
     assert info.value.views_alive == 1  # the view inside t's capsule

@@ -54,6 +54,9 @@ class CublasHandle {
   bool begin_use(cudaStream_t stream);
   // The workspace bound by the last begin_use.
   void* bound_workspace() const noexcept { return bound_workspace_; }
+  // Its bytes: workspace_bytes(), or 0 for a stream first seen while capturing (no memory can be
+  // taken then; it gets its workspace at its first use outside a capture).
+  int64_t bound_workspace_bytes() const noexcept { return bound_workspace_bytes_; }
   static constexpr int kMaxStreamWorkspaces = 8;
 
  private:
@@ -74,6 +77,7 @@ class CublasHandle {
   std::vector<StreamWorkspace> workspaces_;
   uint64_t uses_ = 0;
   void* bound_workspace_ = nullptr;
+  int64_t bound_workspace_bytes_ = 0;
   StreamWorkspace& workspace_for(cudaStream_t stream, bool capturing);
 
   void destroy_handles() noexcept;

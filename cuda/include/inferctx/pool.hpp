@@ -9,7 +9,7 @@
 // with the consumer's stream); a use whose stream is not known (a __cuda_array_interface__
 // export, a DLPack export with stream -1) is noted as such. When the last owner lets go, the
 // block is freed on the pool's own stream after that stream has waited (by events recorded
-// then) for every noted stream. An event can be recorded at that time only on a stream that
+// then) for every noted stream (or, used on one durable stream only, in that stream's order). An event can be recorded at that time only on a stream that
 // still exists, so this is done for the durable streams alone (the default streams, the pool's
 // own, and those note_durable names: the contexts' own and comm streams); a use on any other
 // stream, or an unknown use, is waited for by a device-wide synchronisation before the free.
@@ -73,7 +73,8 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::shared_ptr<PooledAllocation> allocate_now(int64_t bytes);
   PoolStats stats() const;
   void reset_peak();
-  // Waits for the pending frees, then returns the unused memory to the device, keeping at least
+  // Waits for the pending frees (synchronising the device), then returns the unused memory to the
+  // device, keeping at least
   // `keep_bytes` reserved. Returns the bytes reserved afterwards.
   int64_t trim(int64_t keep_bytes = 0);
   cudaStream_t free_stream() const noexcept { return free_stream_; }
