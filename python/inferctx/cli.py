@@ -289,11 +289,12 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[ModelShape, dict[str, Any], 
 
 def _check_plot(path: str) -> None:
     """Refuses, before anything is planned or printed, a --plot that could not be written."""
+    # matplotlib is optional (inferctx[plot]): its imports are unknown to a type checker without it
     try:
-        import matplotlib
+        import matplotlib  # type: ignore[import-not-found, unused-ignore]
 
         matplotlib.use("Agg")
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         raise _UsageError("--plot needs matplotlib: pip install 'inferctx[plot]'") from None
     folder = os.path.dirname(os.path.abspath(path))
@@ -333,10 +334,10 @@ def _sweep(shape: ModelShape, kw: dict[str, Any], n: int, as_json: bool, plot: s
 
 
 def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], names: dict[str, str]) -> None:
-    import matplotlib
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r[0] for r in rows], [r[1] for r in rows], marker="o")
