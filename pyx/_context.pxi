@@ -409,12 +409,19 @@ cdef class InferenceContext:
         return (state.first, state.second)
 
     def set_seed(self, seed):
-        """Sets the Philox seed and resets the offset to 0."""
-        self._c.set_seed(_uint64_arg(seed, "seed"))
+        """Sets the Philox seed and resets the offset to 0; CUDA graphs that hold dropout call
+        sites restart at replay 0 with the new seed (the device state is rewritten on
+        ``ctx.stream``, in order with replays there; docs/graphs.md)."""
+        cdef uint64_t s = _uint64_arg(seed, "seed")
+        cdef uintptr_t stream = _ctx_stream(self)
+        with nogil:
+            self._c.set_seed(s, <cudaStream_t>stream)
 
     @property
     def rng_state(self):
-        """(seed, offset) of the Philox state now."""
+        """(seed, next eager offset) of the Philox state now. Eager draws take offsets below
+        2**63; draws captured into CUDA graphs use offsets from 2**63 in subsequence bands of
+        their own (``_core.graph_rng_state(ctx)``; docs/graphs.md)."""
         cdef pair[uint64_t, uint64_t] state = self._c.philox().state()
         return (state.first, state.second)
 

@@ -31,15 +31,28 @@ def free_bytes(ctx):
 
 def hog(torch, ctx, leave):
     """torch tensors holding the device's free memory until about `leave` bytes are left (in
-    1 GiB blocks, then the rest), so that an allocation larger than that must fail."""
+    blocks of 1 GiB, then smaller ones down to 2 MiB), so that an allocation larger than that
+    must fail."""
     blocks = []
     device = f"cuda:{ctx.device}"
-    while free_bytes(ctx) > leave + GIB + SLACK:
-        blocks.append(torch.empty(GIB, dtype=torch.uint8, device=device))
-    rest = free_bytes(ctx) - leave
-    if rest > 2 * MIB:
-        blocks.append(torch.empty(rest, dtype=torch.uint8, device=device))
+    for chunk in (GIB, 256 * MIB, 64 * MIB, 16 * MIB, 2 * MIB):
+        while free_bytes(ctx) > leave + chunk:
+            try:
+                blocks.append(torch.empty(chunk, dtype=torch.uint8, device=device))
+            except RuntimeError:  # torch's allocator rounds up: the next size down
+                break
     return blocks
+
+
+@pytest.fixture(autouse=True)
+def _give_back_torch_cache():
+    """Memory a test took through torch goes back to the device afterwards: torch's caching
+    allocator would keep it, and a child process (or a later plan) would find none."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def stable_only(ctx):
@@ -211,7 +224,8 @@ def test_keep_contents_gives_a_4_gib_workspace_back_byte_for_byte(ctx, torch):
         gc.collect()
     before = free_bytes(ctx)
     ctx.release_workspace(keep_contents=True)
-    assert free_bytes(ctx) - before >= nbytes - SLACK
+    # (pinning the host copy of several GiB takes a few MiB of device memory for its mappings)
+    assert free_bytes(ctx) - before >= nbytes - 4 * SLACK
     assert ctx.host_copy_bytes >= nbytes
     ctx.retake_workspace()
     back = torch.from_dlpack(ctx.workspace)
