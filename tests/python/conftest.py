@@ -27,3 +27,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def torch():
+    """torch with a CUDA device (the test skips, saying why, otherwise)."""
+    t = pytest.importorskip("torch")
+    if not t.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    return t

@@ -25,14 +25,6 @@ SLEEP_CYCLES = 200_000  # about 0.1 ms at the H200's clock: far longer than a la
 
 
 @pytest.fixture
-def torch():
-    t = pytest.importorskip("torch")
-    if not t.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    return t
-
-
-@pytest.fixture
 def cupy(torch):
     return pytest.importorskip("cupy")
 

@@ -26,14 +26,6 @@ DTYPES = ["float32", "float16", "bfloat16"]
 PS = [0.1, 0.5, 0.9, 0.25, 1e-6, 0.999]
 
 
-@pytest.fixture
-def torch():
-    t = pytest.importorskip("torch")
-    if not t.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    return t
-
-
 def tdtype(torch, name):
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 

@@ -35,14 +35,6 @@ SITE_SHIFT = 36
 
 
 @pytest.fixture
-def torch():
-    t = pytest.importorskip("torch")
-    if not t.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    return t
-
-
-@pytest.fixture
 def ctx(torch):
     context = inferctx.InferenceContext.instance(torch.cuda.current_device())
     context.use_stream(None)
