@@ -39,12 +39,18 @@ cdef dict _dt_to_torch = None
 cdef object _cupy = None
 cdef object _cupy_ndarray = None
 cdef bint _cupy_stream_takes_device = True
+cdef Py_ssize_t _modules_seen = -1      # len(sys.modules) when the packages were last looked for
 
 
 cdef int _refresh_packages() except -1:
-    """Learns torch's and CuPy's types once the caller has imported them."""
+    """Learns torch's and CuPy's types once the caller has imported them (looked for again only
+    when a module was imported since the last look)."""
     global _torch_tensor, _torch_raw_stream, _torch_empty, _torch_empty_like, _torch_to_dt
-    global _dt_to_torch, _cupy, _cupy_ndarray
+    global _dt_to_torch, _cupy, _cupy_ndarray, _modules_seen
+    cdef Py_ssize_t modules = len(_sys.modules)
+    if modules == _modules_seen:
+        return 0
+    _modules_seen = modules
     if _torch_tensor is None:
         torch = _sys.modules.get("torch")
         if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "bfloat16"):
@@ -309,6 +315,8 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x")
     cdef uintptr_t s
     for package in (PKG_TORCH, PKG_CUPY):
         if mask & (1 << package):
+            if stream is None and package == call.package:
+                continue  # it is the kernel's stream
             s = _package_stream(package, context.device)
             if s != call.kernel and (joins is None or s not in joins):
                 joins = [s] if joins is None else joins + [s]
