@@ -608,7 +608,7 @@ TEST_CASE("gpu: a graph that outlives its GraphRng (the context's part) replays 
   INFERCTX_CUDA(cudaDeviceSynchronize(), 0);
 }
 
-TEST_CASE("gpu: 1100 sites take a second slab; a capture on another device's stream is refused") {
+TEST_CASE("gpu: 1100 sites take a second slab") {
   auto ctx = InferenceContext::instance(0);
   OwnedStream st;
   INFERCTX_CUDA(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeGlobal), 0);
@@ -619,29 +619,9 @@ TEST_CASE("gpu: 1100 sites take a second slab; a capture on another device's str
   CHECK(graph != nullptr);
   if (graph) cudaGraphDestroy(graph);
   CHECK(wait_live_sites(*ctx, 0));
-
-  int count = 0;
-  INFERCTX_CUDA(cudaGetDeviceCount(&count), -1);
-  if (count < 2) {
-    std::printf("  (one device: the other-device case needs two)\n");
-    return;
-  }
-  INFERCTX_CUDA(cudaSetDevice(1), 1);
-  cudaStream_t other = nullptr;
-  INFERCTX_CUDA(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), 1);
-  INFERCTX_CUDA(cudaStreamBeginCapture(other, cudaStreamCaptureModeGlobal), 1);
-  try {
-    ctx->graph_rng().capture(other, 4);
-    CHECK(false);
-  } catch (const ConfigError& e) {
-    CHECK(e.argument == "stream");
-    CHECK(std::string(e.what()).find("device 1") != std::string::npos);
-  }
-  cudaGraph_t g2 = nullptr;
-  INFERCTX_CUDA(cudaStreamEndCapture(other, &g2), 1);
-  if (g2) cudaGraphDestroy(g2);
-  cudaStreamDestroy(other);
-  INFERCTX_CUDA(cudaSetDevice(0), 0);
+  // A capturing stream cannot be asked for its device (cudaStreamGetDevice ends the capture), so
+  // GraphRng::capture does not check it; the Python layer refuses a stream object of another
+  // device (tests/python/test_graph_rng.py), and a bare handle of one fails at the launch.
 }
 
 int main() { return check::run_all_or_cpu_cases("host:"); }
