@@ -1,4 +1,4 @@
-# Part of _core.pyx: the C++ -> Python error translation.
+# Included by _core.pyx and _plan.pyx: the C++ -> Python error translation.
 
 # ErrorKind codes of cuda/include/inferctx/errors.hpp
 cdef dict _KIND_TO_CLASS = {
