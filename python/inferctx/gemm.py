@@ -78,13 +78,8 @@ _SHORT = {0: "fp32", 1: "fp16", 2: "bf16"}
 # DLPack device types (dlpack.h)
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 _DL_PLACES = {1: "host", 3: "pinned host", 2: "CUDA device", 13: "CUDA managed"}
-_LEGACY_STREAM = 1  # cudaStreamLegacy; torch reports its default stream as 0
-
 # torch is never imported here; once the caller has imported it, its tensors take a fast path.
 _torch_tensor = None
-_torch_codes: dict = {}
-_torch_raw_stream = None
-_torch_empty = None
 
 # Contexts by device ordinal (one per device for the life of the process).
 _contexts: dict = {}
@@ -324,38 +319,8 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
         done = _core._torch_gemm(ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
         if done is not NotImplemented:
             return done
-        a_device = a.get_device()
-        b_device = b.get_device()
-        c_device = a_device if out is None else out.get_device()
-        if a_device >= 0 and b_device >= 0 and c_device >= 0:  # else the generic path says why
-            # All torch, on torch's current stream: the tensors are read directly and nothing
-            # needs ordering (their producer and the caller's later work are on that stream).
-            ctx_device = None
-            if ctx is None:
-                ctx = _contexts.get(a_device) or _context_for(a_device)
-                ctx_device = a_device
-            kernel = _torch_raw_stream(a_device) or _LEGACY_STREAM
-            codes = _torch_codes
-            if out is None:
-                key = (ndim, trans_a, trans_b, codes.get(a.dtype), a.shape, a.stride(),
-                       codes.get(b.dtype), b.shape, b.stride(), None, None, None)
-                c_ptr = 0
-            else:
-                key = (ndim, trans_a, trans_b, codes.get(a.dtype), a.shape, a.stride(),
-                       codes.get(b.dtype), b.shape, b.stride(), codes.get(out.dtype),
-                       out.shape, out.stride())
-                c_ptr = out.data_ptr()
-            plan = _plans.get(key)
-            if plan is None:
-                plan = _new_plan(name, key, a, b, out, None)
-            if out is None:
-                out = _torch_empty(plan[14], dtype=a.dtype, device=a.device)
-                c_ptr = out.data_ptr()
-                fresh = True
-            else:
-                fresh = False
-            return _launch(name, plan, ctx, ctx_device, kernel, a_device, b_device, c_device,
-                           a.data_ptr(), b.data_ptr(), out, c_ptr, fresh, alpha, beta, tf32)
+        # A first call of this signature, or one that needs checks: the general path below
+        # (torch tensors are read directly there too) works it out for the next calls.
 
     # Any DLPack / CUDA-array-interface producer, under the call contract.
     device = _device_hint(a, "a", name)
@@ -364,6 +329,8 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
         _device_hint(out, "out", name)
     if ctx is None and device is None and b_device is not None:
         ctx = _contexts.get(b_device) or _context_for(b_device)
+    elif ctx is not None and device is not None and device != _context_device(ctx):
+        _ctx_device_error(name, device, _context_device(ctx))
     call = _core._begin((a, b, out), ctx, stream)
     va = call.import_array(a, "a")
     vb = call.import_array(b, "b")
@@ -388,7 +355,7 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
     else:
         c_ptr = vc.ptr
     # va / vb / vc keep the memory alive until the product is queued.
-    result = _launch(name, plan, call.ctx, None, call.kernel, va.device, vb.device,
+    result = _launch(name, plan, call.ctx, call.kernel, va.device, vb.device,
                      va.device if vc is None else vc.device, va.ptr, vb.ptr, out, c_ptr, fresh,
                      alpha, beta, tf32)
     call.done()
@@ -402,20 +369,17 @@ _PLAN_LIMIT = 4096
 _core._set_gemm_plans(_plans)  # the compiled torch fast path reads the same table
 
 
-def _launch(name, plan, ctx, ctx_device, stream, a_device, b_device, c_device, a_ptr, b_ptr, out,
-            c_ptr, fresh, alpha, beta, tf32):
+def _launch(name, plan, ctx, stream, a_device, b_device, c_device, a_ptr, b_ptr, out, c_ptr,
+            fresh, alpha, beta, tf32):
     """Checks devices and memory overlap for one call of a worked-out problem and queues it on
     `stream`; `fresh`: out was made for this call (nothing to overlap)."""
     (code, m, n, k, batch, lda, ldb, ldc, stride_a, stride_b, stride_c, ta, tb, swap, expected,
      span_a, span_b, span_c, spans, shapes) = plan
     if b_device != a_device or c_device != a_device:
         _device_error(name, shapes, a_device, b_device, c_device)
-    if ctx_device is None:
-        ctx_device = _context_device(ctx)
+    ctx_device = _context_device(ctx)
     if a_device != ctx_device:
-        raise ConfigError(f"{name}: the operands are on cuda:{a_device} but ctx is the context of "
-                          f"cuda:{ctx_device}; pass ctx=InferenceContext.instance({a_device}) or "
-                          f"leave ctx=None", argument="ctx")
+        _ctx_device_error(name, a_device, ctx_device)
     if not fresh and ((a_ptr < c_ptr + span_c and c_ptr < a_ptr + span_a)
                       or (b_ptr < c_ptr + span_c and c_ptr < b_ptr + span_b)):
         _check_no_overlap(name, a_ptr, b_ptr, c_ptr, spans, ITEMSIZE[code])
@@ -528,6 +492,12 @@ def _device_error(name, shapes, a_device, b_device, c_device):
                       f"cuda:{a_device}", argument="out")
 
 
+def _ctx_device_error(name, device, ctx_device):
+    raise ConfigError(f"{name}: the operands are on cuda:{device} but ctx is the context of "
+                      f"cuda:{ctx_device}; pass ctx=InferenceContext.instance({device}) or leave "
+                      f"ctx=None", argument="ctx")
+
+
 def _layout(shape, strides):
     """(batch, batch_stride, rows, cols, ld, flipped) of a 2-D or 3-D array as stored row-major
     matrices: flipped when its last two dimensions are column-major (its transpose is stored
@@ -638,17 +608,14 @@ def _scalar(value, argument) -> float:
 
 
 def _find_torch():
-    """torch.Tensor once the caller has imported torch (never imported here), else None."""
-    global _torch_tensor, _torch_codes, _torch_raw_stream, _torch_empty
+    """torch.Tensor once the caller has imported a torch with CUDA (never imported here), else
+    None."""
+    global _torch_tensor
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "Tensor") or not hasattr(torch, "bfloat16"):
         return None
-    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
-    if raw is None:  # a CPU-only torch: its tensors go the generic way (and are refused there)
-        return None
-    _torch_codes = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-    _torch_raw_stream = raw
-    _torch_empty = torch.empty
+    if getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None) is None:
+        return None  # a CPU-only torch: its tensors go the generic way (and are refused there)
     _torch_tensor = torch.Tensor
     return _torch_tensor
 
