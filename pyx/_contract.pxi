@@ -32,7 +32,6 @@ cdef enum:
 
 cdef object _torch_tensor = None       # torch.Tensor, once torch is imported (with CUDA)
 cdef object _torch_raw_stream = None   # torch._C._cuda_getCurrentRawStream
-cdef object _torch_empty = None
 cdef object _torch_empty_like = None
 cdef dict _torch_to_dt = None          # torch dtype -> dtype table index
 cdef dict _dt_to_torch = None
@@ -45,7 +44,7 @@ cdef Py_ssize_t _modules_seen = -1      # len(sys.modules) when the packages wer
 cdef int _refresh_packages() except -1:
     """Learns torch's and CuPy's types once the caller has imported them (looked for again only
     when a module was imported since the last look)."""
-    global _torch_tensor, _torch_raw_stream, _torch_empty, _torch_empty_like, _torch_to_dt
+    global _torch_tensor, _torch_raw_stream, _torch_empty_like, _torch_to_dt
     global _dt_to_torch, _cupy, _cupy_ndarray, _modules_seen
     cdef Py_ssize_t modules = len(_sys.modules)
     if modules == _modules_seen:
@@ -71,7 +70,6 @@ cdef int _refresh_packages() except -1:
                 _torch_to_dt = to_dt
                 _dt_to_torch = from_dt
                 _torch_raw_stream = raw
-                _torch_empty = torch.empty
                 _torch_empty_like = torch.empty_like
                 _torch_tensor = torch.Tensor
     if _cupy_ndarray is None:
@@ -135,18 +133,27 @@ cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0
     if handle <= <uintptr_t>cudaStreamPerThread:
         return handle  # the default streams of the current device: inferctx runs on ctx's
     cdef cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone
+    cdef bint ours
     if isinstance(stream, Stream):
         on = (<Stream>stream)._device
     else:
-        # Asking a capturing stream for its device would end the capture in error; whether it
-        # captures can be asked, and a handle that is no stream fails there already.
+        # Asking a capturing stream for its device (cudaStreamGetDevice) would end the capture in
+        # error; whether it captures can be asked, and a handle that is no stream fails there.
         with nogil:
             status = cudaStreamIsCapturing(<cudaStream_t>handle, &capture)
             if status == cudaSuccess and capture == cudaStreamCaptureStatusNone:
                 status = cudaStreamGetDevice(<cudaStream_t>handle, &on)
         if status == cudaSuccess and capture != cudaStreamCaptureStatusNone:
-            return handle  # the kernel's own checks (same device as its operands) still apply
-        if status != cudaSuccess:
+            on = _stream_device(stream, handle)  # what a torch or CuPy stream says
+            if on < 0:  # a handle: its CUDA context, which may be asked under capture
+                with nogil:
+                    ours = stream_is_on_device(<cudaStream_t>handle, device)
+                if ours:
+                    return handle
+                raise _ConfigError(f"{argument}: {handle:#x} is a stream of another device than "
+                                   f"the operands' cuda:{device}; pass a stream of cuda:{device}",
+                                   argument=argument)
+        elif status != cudaSuccess:
             with nogil:
                 cudaGetLastError()
             raise _ConfigError(

@@ -72,6 +72,7 @@ cdef extern from "inferctx/memory.hpp" namespace "inferctx" nogil:
 
 
 cdef extern from "inferctx/stream.hpp" namespace "inferctx" nogil:
+    bool stream_is_on_device(cudaStream_t stream, int device) except +raise_inferctx_error
     cdef cppclass CppStream "inferctx::Stream":
         CppStream()
         @staticmethod

@@ -122,6 +122,11 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     -------
     (y, mask) : y in x's package (or ``out``), mask likewise (or ``mask_out``) or None.
     """
+    if (out is None and mask_out is None and stream is None and seed is None and offset is None
+            and type(mask) is str and mask == "bits"):
+        done = _torch_dropout(x, p, ctx)
+        if done is not None:
+            return done
     cdef double prob = _probability_arg(p)
     if mask not in _MASK_MODES:
         raise _ConfigError(f"mask: got {mask!r}; valid: 'bits' (default), 'bytes' or None",
@@ -172,6 +177,49 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     _dropout_launch(context, xp, yp, <void*>mask_ptr, n, dtype, prob, mode, seed is not None, s, o,
                     call.kernel, dev)
     call.finish()
+    return y, m
+
+
+cdef object _torch_dropout(object x, object p, object ctx):
+    """dropout(x, p) of a torch tensor with the default arguments, in compiled code: what the
+    general path does for it (the same checks, results and kernel) without its generality.
+    None where the call needs more (a first call on the device, a dtype or layout the general
+    path refuses with its message, an empty tensor): the general path then takes it."""
+    if _torch_tensor is None:
+        _refresh_packages()
+        if _torch_tensor is None:
+            return None
+    if not isinstance(x, _torch_tensor):
+        return None
+    dt = _torch_to_dt.get(x.dtype)
+    if dt is None or <int>dt > DT_BFLOAT16:
+        return None
+    cdef int device = x.get_device()
+    if device < 0:
+        return None
+    cdef InferenceContext context
+    if ctx is None:
+        found = _contexts.get(device)
+        if found is None:
+            return None
+        context = <InferenceContext>found
+    elif isinstance(ctx, InferenceContext) and (<InferenceContext>ctx).device == device:
+        context = <InferenceContext>ctx
+    else:
+        return None
+    cdef int64_t n = x.numel()
+    if n == 0 or not x.is_contiguous():
+        return None
+    cdef double prob = _probability_arg(p)
+    raw = _torch_raw_stream(device)
+    cdef uintptr_t stream = <uintptr_t>cudaStreamLegacy if raw == 0 else <uintptr_t>raw
+    y = _torch_empty_like(x)
+    m = x.new_empty(dropout_mask_elements(n, 2), dtype=_dt_to_torch[DT_INT32])
+    cdef uintptr_t xp = x.data_ptr()
+    cdef uintptr_t yp = y.data_ptr()
+    cdef uintptr_t mp = m.data_ptr()
+    _dropout_launch(context, <const void*>xp, <void*>yp, <void*>mp, n, <int>dt, prob, 2, False, 0, 0,
+                    stream, device)
     return y, m
 
 
@@ -239,17 +287,21 @@ cdef object _torch_code(object dtype):
 
 
 def _torch_gemm(int ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
-    """gemm / bmm of torch tensors on torch's current stream, when nothing in the call needs more
-    than reading the tensors: the problem was worked out before (gemm.py's table), the devices
+    """gemm / bmm of torch tensors on torch's current stream (gemm.py calls it first when no
+    stream= is given), when nothing in the call needs more than reading the tensors: the problem was worked out before (gemm.py's table), the devices
     agree with each other and ctx, and out (if given) overlaps no input. Returns NotImplemented
     otherwise, and gemm.py's path (which says what is wrong) takes the call."""
     if _torch_to_dt is None:
         _refresh_packages()
-    if (_gemm_plans is None or _torch_to_dt is None or type(alpha) is not float
+    if (_gemm_plans is None or _torch_to_dt is None or not isinstance(a, _torch_tensor)
+            or not isinstance(b, _torch_tensor)
+            or (out is not None and not isinstance(out, _torch_tensor))
+            or type(alpha) is not float
             or type(beta) is not float
             or (trans_a is not True and trans_a is not False)
             or (trans_b is not True and trans_b is not False)
-            or (tf32 is not True and tf32 is not False)):
+            or (tf32 is not True and tf32 is not False)
+            or (out is None and beta != 0.0)):
         return NotImplemented
     cdef int device = a.get_device()
     if device < 0 or b.get_device() != device or (out is not None and out.get_device() != device):

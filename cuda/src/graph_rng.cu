@@ -11,6 +11,7 @@
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
+#include "inferctx/stream.hpp"
 #include "graph_rng.cuh"
 
 namespace inferctx {
@@ -226,8 +227,6 @@ GraphPhilox GraphRng::capture(cudaStream_t stream, uint64_t increment) {
                                        "; a draw captured into a CUDA graph takes at most 2^62 values per element "
                                        "group");
   CurrentDeviceScope on(device_);
-  // The stream's device is not asked for: cudaStreamGetDevice on a capturing stream fails and
-  // ends the capture. A stream of another device fails at the kernel's launch instead.
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long capture_id = 0;
   cudaGraph_t graph = nullptr;
@@ -236,6 +235,11 @@ GraphPhilox GraphRng::capture(cudaStream_t stream, uint64_t increment) {
     throw_cuda_error(cudaErrorStreamCaptureInvalidated, "cudaStreamGetCaptureInfo", device_);
   if (status != cudaStreamCaptureStatusActive || graph == nullptr)
     throw ConfigError("stream", "stream: is not capturing a CUDA graph; a call site is taken only under capture");
+  // Not cudaStreamGetDevice, which would end the capture in error (see stream_is_on_device).
+  if (!stream_is_on_device(stream, device_))
+    throw ConfigError("stream", "stream: captures on another device than the context's (cuda:" +
+                                    std::to_string(device_) + "); capture on a stream of cuda:" +
+                                    std::to_string(device_));
 
   std::lock_guard<std::mutex> lock(mutex_);
   // Numbers are taken last, once nothing can fail, so that a failed capture leaves the sequence

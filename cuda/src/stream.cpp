@@ -5,8 +5,26 @@
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
+#include "driver.hpp"
 
 namespace inferctx {
+
+bool stream_is_on_device(cudaStream_t stream, int device) {
+  if (stream == cudaStreamLegacy || stream == cudaStreamPerThread) return true;
+  require_explicit_stream(stream, "stream_is_on_device");
+  const detail::DriverApi& api = detail::driver();
+  if (api.stream_get_ctx == nullptr || api.ctx_get_current == nullptr) {
+    throw CudaError("the CUDA driver lacks " + api.missing, "cuStreamGetCtx",
+                    static_cast<int>(CUDA_ERROR_NOT_FOUND), "CUDA_ERROR_NOT_FOUND", device);
+  }
+  CurrentDeviceScope on(device);
+  INFERCTX_CUDA(cudaSetDevice(device), device);  // makes (and initialises) its primary context current
+  CUcontext current = nullptr;
+  detail::check_driver(api.ctx_get_current(&current), "cuCtxGetCurrent", device);
+  CUcontext owner = nullptr;
+  detail::check_driver(api.stream_get_ctx(reinterpret_cast<CUstream>(stream), &owner), "cuStreamGetCtx", device);
+  return owner == current;
+}
 
 void require_explicit_stream(cudaStream_t stream, const char* where) {
   if (stream == nullptr) {

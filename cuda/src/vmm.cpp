@@ -1,8 +1,5 @@
 #include "inferctx/vmm.hpp"
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -12,74 +9,15 @@
 #include "inferctx/errors.hpp"
 #include "inferctx/plan.hpp"
 #include "inferctx/stream.hpp"
+#include "driver.hpp"
 
 namespace inferctx {
 
 namespace {
 
-// The ABI asked of the driver: every entry point below has kept its signature since CUDA 10.2
-// (the _v10020 typedefs), and any driver that runs this build's runtime is at least 12.0.
-constexpr unsigned int kDriverApiVersion = 12000;
-
-struct DriverApi {
-  PFN_cuGetErrorName_v6000 get_error_name = nullptr;
-  PFN_cuGetErrorString_v6000 get_error_string = nullptr;
-  PFN_cuDeviceGet_v2000 device_get = nullptr;
-  PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
-  PFN_cuMemGetAllocationGranularity_v10020 get_granularity = nullptr;
-  PFN_cuMemAddressReserve_v10020 address_reserve = nullptr;
-  PFN_cuMemAddressFree_v10020 address_free = nullptr;
-  PFN_cuMemCreate_v10020 create = nullptr;
-  PFN_cuMemRelease_v10020 release = nullptr;
-  PFN_cuMemMap_v10020 map = nullptr;
-  PFN_cuMemUnmap_v10020 unmap = nullptr;
-  PFN_cuMemSetAccess_v10020 set_access = nullptr;
-  std::string missing;  // the entry points the driver does not have, "" when it has them all
-};
-
-template <class Fn>
-void load(Fn& fn, const char* symbol, std::string& missing) {
-  void* address = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t status =
-      cudaGetDriverEntryPointByVersion(symbol, &address, kDriverApiVersion, cudaEnableDefault, &found);
-  if (status != cudaSuccess) {
-    const std::string call = std::string("cudaGetDriverEntryPointByVersion(\"") + symbol + "\", " +
-                             std::to_string(kDriverApiVersion) + ")";
-    throw_cuda_error(status, call.c_str(), -1);
-  }
-  if (found != cudaDriverEntryPointSuccess || address == nullptr) {
-    if (!missing.empty()) missing += ", ";
-    missing += symbol;
-    missing += found == cudaDriverEntryPointVersionNotSufficent ? " (too old)" : " (not found)";
-    return;
-  }
-  fn = reinterpret_cast<Fn>(address);
-}
-
-DriverApi load_driver_api() {
-  DriverApi api;
-  load(api.get_error_name, "cuGetErrorName", api.missing);
-  load(api.get_error_string, "cuGetErrorString", api.missing);
-  load(api.device_get, "cuDeviceGet", api.missing);
-  load(api.device_get_attribute, "cuDeviceGetAttribute", api.missing);
-  load(api.get_granularity, "cuMemGetAllocationGranularity", api.missing);
-  load(api.address_reserve, "cuMemAddressReserve", api.missing);
-  load(api.address_free, "cuMemAddressFree", api.missing);
-  load(api.create, "cuMemCreate", api.missing);
-  load(api.release, "cuMemRelease", api.missing);
-  load(api.map, "cuMemMap", api.missing);
-  load(api.unmap, "cuMemUnmap", api.missing);
-  load(api.set_access, "cuMemSetAccess", api.missing);
-  return api;
-}
-
-// Loaded on first use; a failure to ask (no driver) throws and is retried by the next caller.
-// Never destroyed: allocations freed by static destructors at exit still reach the driver.
-const DriverApi& driver() {
-  static const DriverApi* const api = new DriverApi(load_driver_api());
-  return *api;
-}
+using detail::check_driver;
+using detail::driver;
+using detail::DriverApi;
 
 // The driver entry points, or WorkspaceStateError when some are missing (callers check
 // virtual_memory_unsupported_reason first; this guards the ones that did not).
@@ -89,27 +27,6 @@ const DriverApi& driver_with_vmm() {
     throw WorkspaceStateError("CUDA virtual memory management is unavailable: the driver lacks " + api.missing);
   }
   return api;
-}
-
-[[noreturn]] void throw_driver_error(CUresult status, const std::string& call, int device) {
-  const DriverApi& api = driver();
-  const char* name = nullptr;
-  const char* text = nullptr;
-  if (api.get_error_name == nullptr || api.get_error_name(status, &name) != CUDA_SUCCESS || name == nullptr) {
-    name = "CUDA_ERROR_UNKNOWN";
-  }
-  if (api.get_error_string == nullptr || api.get_error_string(status, &text) != CUDA_SUCCESS || text == nullptr) {
-    text = "unrecognized error code";
-  }
-  const std::string where = device >= 0 ? " on device " + std::to_string(device) : "";
-  const std::string hint =
-      status == CUDA_ERROR_OUT_OF_MEMORY ? "; free memory on the device or plan a smaller workspace" : "";
-  throw CudaError(std::string(name) + ": " + text + " (in " + call + where + ")" + hint, call,
-                  static_cast<int>(status), name, device);
-}
-
-void check_driver(CUresult status, const std::string& call, int device) {
-  if (status != CUDA_SUCCESS) throw_driver_error(status, call, device);
 }
 
 std::string bytes_arg(int64_t bytes) { return std::to_string(bytes) + " bytes"; }

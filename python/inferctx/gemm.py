@@ -78,8 +78,9 @@ _SHORT = {0: "fp32", 1: "fp16", 2: "bf16"}
 # DLPack device types (dlpack.h)
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 _DL_PLACES = {1: "host", 3: "pinned host", 2: "CUDA device", 13: "CUDA managed"}
-# torch is never imported here; once the caller has imported it, its tensors take a fast path.
-_torch_tensor = None
+# torch is never imported here; once the caller has imported it, its tensors of a problem seen
+# before take this compiled path (NotImplemented where the general one must decide).
+_torch_gemm = _core._torch_gemm
 
 # Contexts by device ordinal (one per device for the life of the process).
 _contexts: dict = {}
@@ -126,6 +127,10 @@ def gemm(a: Any, b: Any, *, out: Any = None, trans_a: bool = False, trans_b: boo
     makes (``cublasGemmEx``), so it gives torch's bits at torch's speed; ``autotune_gemm``
     may find a faster cuBLASLt algorithm.
     """
+    if stream is None:  # torch tensors of a problem seen before: compiled, in one call
+        done = _torch_gemm(2, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
+        if done is not NotImplemented:
+            return done
     return _product("gemm", 2, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, stream)
 
 
@@ -140,6 +145,10 @@ def bmm(a: Any, b: Any, *, out: Any = None, trans_a: bool = False, trans_b: bool
     too. Returns ``out`` or a new (batch, m, n) array in the operands' package. Other arguments,
     and the call contract, as in ``gemm``.
     """
+    if stream is None:  # torch tensors of a problem seen before: compiled, in one call
+        done = _torch_gemm(3, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
+        if done is not NotImplemented:
+            return done
     return _product("bmm", 3, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, stream)
 
 
@@ -312,16 +321,8 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
         raise ConfigError(f"{name}: beta={beta} scales the values of out, but there is no out=; "
                           f"pass the array to accumulate into as out=", argument="beta")
 
-    tensor = _torch_tensor if _torch_tensor is not None else _find_torch()
-    if (stream is None and tensor is not None and isinstance(a, tensor) and isinstance(b, tensor)
-            and (out is None or isinstance(out, tensor))):
-        # The common case, in compiled code: a problem seen before, devices and ctx in order.
-        done = _core._torch_gemm(ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
-        if done is not NotImplemented:
-            return done
-        # A first call of this signature, or one that needs checks: the general path below
-        # (torch tensors are read directly there too) works it out for the next calls.
-
+    # A first call of a torch signature, or one that needs checks, comes here too: the general
+    # path below reads torch tensors directly and stores the problem for the compiled one.
     # Any DLPack / CUDA-array-interface producer, under the call contract.
     device = _device_hint(a, "a", name)
     b_device = _device_hint(b, "b", name)
@@ -366,7 +367,7 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
 # beyond its pointers. Bounded; cleared when full.
 _plans: dict = {}
 _PLAN_LIMIT = 4096
-_core._set_gemm_plans(_plans)  # the compiled torch fast path reads the same table
+_core._set_gemm_plans(_plans)  # _torch_gemm reads the same table
 
 
 def _launch(name, plan, ctx, stream, a_device, b_device, c_device, a_ptr, b_ptr, out, c_ptr,
@@ -605,19 +606,6 @@ def _scalar(value, argument) -> float:
 
 # ---------------------------------------------------------------------------------------
 # Devices, contexts and torch
-
-
-def _find_torch():
-    """torch.Tensor once the caller has imported a torch with CUDA (never imported here), else
-    None."""
-    global _torch_tensor
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "Tensor") or not hasattr(torch, "bfloat16"):
-        return None
-    if getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None) is None:
-        return None  # a CPU-only torch: its tensors go the generic way (and are refused there)
-    _torch_tensor = torch.Tensor
-    return _torch_tensor
 
 
 def _context_for(device):

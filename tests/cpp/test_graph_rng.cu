@@ -28,6 +28,7 @@
 #include "inferctx/graph_rng.hpp"
 #include "inferctx/philox.hpp"
 #include "inferctx/plan.hpp"
+#include "inferctx/stream.hpp"
 
 using namespace inferctx;
 
@@ -619,9 +620,39 @@ TEST_CASE("gpu: 1100 sites take a second slab") {
   CHECK(graph != nullptr);
   if (graph) cudaGraphDestroy(graph);
   CHECK(wait_live_sites(*ctx, 0));
-  // A capturing stream cannot be asked for its device (cudaStreamGetDevice ends the capture), so
-  // GraphRng::capture does not check it; the Python layer refuses a stream object of another
-  // device (tests/python/test_graph_rng.py), and a bare handle of one fails at the launch.
+}
+
+TEST_CASE("gpu: a capturing stream's device is asked without ending the capture; another device's is refused") {
+  auto ctx = InferenceContext::instance(0);
+  OwnedStream st;
+  INFERCTX_CUDA(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeGlobal), 0);
+  CHECK(stream_is_on_device(st.s, 0));
+  CHECK(stream_capturing(st.s, 0));  // still capturing: cudaStreamGetDevice would have ended it
+  ctx->graph_rng().capture(st.s, 4);
+  cudaGraph_t graph = nullptr;
+  INFERCTX_CUDA(cudaStreamEndCapture(st.s, &graph), 0);
+  CHECK(graph != nullptr);
+  if (graph) cudaGraphDestroy(graph);
+  CHECK(stream_is_on_device(cudaStreamLegacy, 0));
+  int devices = 0;
+  INFERCTX_CUDA(cudaGetDeviceCount(&devices), -1);
+  if (devices < 2) return;  // the refusal needs a second device
+  cudaStream_t other = nullptr;
+  INFERCTX_CUDA(cudaSetDevice(1), 1);
+  INFERCTX_CUDA(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), 1);
+  INFERCTX_CUDA(cudaStreamBeginCapture(other, cudaStreamCaptureModeGlobal), 1);
+  CHECK(!stream_is_on_device(other, 0));
+  CHECK(stream_is_on_device(other, 1));
+  INFERCTX_CUDA(cudaSetDevice(0), 0);
+  const uint64_t sites = ctx->graph_rng().stats().sites;
+  CHECK_THROWS(ConfigError, ctx->graph_rng().capture(other, 4));
+  CHECK(ctx->graph_rng().stats().sites == sites);  // nothing taken
+  INFERCTX_CUDA(cudaSetDevice(1), 1);
+  graph = nullptr;
+  INFERCTX_CUDA(cudaStreamEndCapture(other, &graph), 1);
+  if (graph) cudaGraphDestroy(graph);
+  cudaStreamDestroy(other);
+  INFERCTX_CUDA(cudaSetDevice(0), 0);
 }
 
 int main() { return check::run_all_or_cpu_cases("host:"); }

@@ -436,3 +436,42 @@ def test_stream_of_another_device_is_refused(torch, ctx):
     with pytest.raises(ConfigError) as info:
         inferctx.dropout(x, 0.5, stream=other)
     assert info.value.argument == "stream" and "cuda:1" in str(info.value)
+
+
+# ---- the compiled torch paths give what the general path gives ------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_plain_torch_dropout_equals_the_general_path_at_the_same_philox_state(torch, ctx, dtype):
+    x = torch.randn(5000, device="cuda", dtype=getattr(torch, dtype))
+    inferctx.dropout(x, 0.25)  # the context exists and torch is known: the compiled path is taken
+    seed, offset = ctx.rng_state
+    y, bits = inferctx.dropout(x, 0.25)
+    assert ctx.rng_state == (seed, offset + 4)  # it took increment_offset(4), as the general path
+    # seed= / offset= go the general way; the same state gives the same bits.
+    y2, bits2 = inferctx.dropout(x, 0.25, seed=seed, offset=offset)
+    assert torch.equal(bits, bits2) and torch.equal(y.view(torch.int16 if dtype != "float32" else torch.int32),
+                                                    y2.view(torch.int16 if dtype != "float32" else torch.int32))
+    assert bits.dtype == torch.int32 and bits.shape == (-(-5000 // 32),) and y.shape == x.shape
+    # What the compiled path leaves to the general one still gets the general path's answers.
+    with pytest.raises(ConfigError) as info:
+        inferctx.dropout(x[::2], 0.25)
+    assert info.value.argument == "x"
+    with pytest.raises(ConfigError) as info:
+        inferctx.dropout(x, 1.5)
+    assert info.value.argument == "p"
+    e, e_bits = inferctx.dropout(x[:0], 0.25)
+    assert e.shape == (0,) and e_bits.shape == (0,)
+
+
+def test_plain_torch_gemm_refuses_beta_without_out_after_the_signature_is_known(torch, ctx):
+    a = torch.randn(8, 16, device="cuda", dtype=torch.float16)
+    b = torch.randn(16, 4, device="cuda", dtype=torch.float16)
+    c = inferctx.gemm(a, b)
+    c2 = inferctx.gemm(a, b)  # the compiled path: the same bits as torch.matmul's cuBLAS call
+    assert torch.equal(c, c2)
+    with pytest.raises(ConfigError) as info:
+        inferctx.gemm(a, b, beta=0.5)
+    assert info.value.argument == "beta"
+    with pytest.raises(ConfigError) as info:
+        inferctx.bmm(a[None], b[None], beta=1.0)
+    assert info.value.argument == "beta"

@@ -349,7 +349,8 @@ def cudart():
     return lib
 
 
-def test_raw_stream_capture_draws_fresh_masks(torch, ctx, cudart):
+@pytest.mark.parametrize("given", [None, "handle", "torch stream"])
+def test_raw_stream_capture_draws_fresh_masks(torch, ctx, cudart, given):
     n = 3000
     words = -(-n // 32)
     p = 0.7
@@ -363,7 +364,9 @@ def test_raw_stream_capture_draws_fresh_masks(torch, ctx, cudart):
     with torch.cuda.stream(s):  # the kernel runs on torch's current stream: the capturing one
         raw.begin()
         assert _core._stream_capturing(s.cuda_stream, ctx.device)
-        inferctx.dropout(x, p, out=y, mask_out=mk)
+        stream = {None: None, "handle": s.cuda_stream, "torch stream": s}[given]
+        inferctx.dropout(x, p, out=y, mask_out=mk, stream=stream)  # its device asked under capture
+        assert _core._stream_capturing(s.cuda_stream, ctx.device)
         raw.end()
     try:
         out = torch.empty(20, words, dtype=torch.int32, device="cuda")
@@ -421,13 +424,14 @@ def test_capture_on_a_stream_of_another_device_is_refused(torch, cudart):
     with torch.cuda.device(1):
         raw.begin()
     try:
-        with pytest.raises(ConfigError) as info:
-            inferctx.dropout(x, 0.5, out=y, mask_out=mk, ctx=ctx0, stream=s1.cuda_stream)
-        assert info.value.argument == "stream"
+        for stream in (s1.cuda_stream, s1):  # a bare handle (its CUDA context) and torch's object
+            with pytest.raises(ConfigError) as info:
+                inferctx.dropout(x, 0.5, out=y, mask_out=mk, ctx=ctx0, stream=stream)
+            assert info.value.argument == "stream"
     finally:
         with torch.cuda.device(1):
             rc = cudart.cudaStreamEndCapture(raw.stream, ctypes.byref(raw.graph))
-            assert rc in (0, 901)  # cudaErrorStreamCaptureInvalidated if the refusal invalidated it
+            assert rc == 0  # the refusal asked without ending the capture
             raw.destroy()
 
 

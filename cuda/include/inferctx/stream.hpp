@@ -13,6 +13,12 @@ namespace inferctx {
 // cudaStreamPerThread (0x2) to mean a default stream on purpose.
 void require_explicit_stream(cudaStream_t stream, const char* where);
 
+// Whether `stream` belongs to `device`, asked in a way that is allowed while the stream captures
+// a CUDA graph (cudaStreamGetDevice is not: it ends the capture in error): the stream's CUDA
+// context against the device's primary context, which the runtime makes current for `device`.
+// The default stream handles (cudaStreamLegacy, cudaStreamPerThread) belong to every device.
+bool stream_is_on_device(cudaStream_t stream, int device);
+
 class Stream {
  public:
   // A new non-blocking stream on `device` (-1: the current device; never the legacy default stream).
