@@ -132,6 +132,10 @@ cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0
     cdef cudaError_t status
     if handle <= <uintptr_t>cudaStreamPerThread:
         return handle  # the default streams of the current device: inferctx runs on ctx's
+    if _destroyed_streams and not isinstance(stream, Stream) and handle in _destroyed_streams:
+        raise _ConfigError(
+            f"{argument}: {_type_name(stream)} {handle:#x} is the handle of an inferctx.Stream that "
+            f"was destroyed; pass {_STREAM_LIKE} of cuda:{device} that exists", argument=argument)
     cdef cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone
     cdef bint ours
     if isinstance(stream, Stream):

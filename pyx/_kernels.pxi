@@ -184,7 +184,10 @@ cdef object _torch_dropout(object x, object p, object ctx):
     """dropout(x, p) of a torch tensor with the default arguments, in compiled code: what the
     general path does for it (the same checks, results and kernel) without its generality.
     None where the call needs more (a first call on the device, a dtype or layout the general
-    path refuses with its message, an empty tensor): the general path then takes it."""
+    path refuses with its message, an empty tensor, a released workspace whose addresses the
+    general path refuses): the general path then takes it."""
+    if _released_contexts:
+        return None  # the general path refuses operands in a released workspace
     if _torch_tensor is None:
         _refresh_packages()
         if _torch_tensor is None:
@@ -290,10 +293,12 @@ def _torch_gemm(int ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
     """gemm / bmm of torch tensors on torch's current stream (gemm.py calls it first when no
     stream= is given), when nothing in the call needs more than reading the tensors: the problem was worked out before (gemm.py's table), the devices
     agree with each other and ctx, and out (if given) overlaps no input. Returns NotImplemented
-    otherwise, and gemm.py's path (which says what is wrong) takes the call."""
+    otherwise (also while a workspace is released), and gemm.py's path (which says what is
+    wrong) takes the call."""
     if _torch_to_dt is None:
         _refresh_packages()
-    if (_gemm_plans is None or _torch_to_dt is None or not isinstance(a, _torch_tensor)
+    if (_gemm_plans is None or _torch_to_dt is None or _released_contexts
+            or not isinstance(a, _torch_tensor)
             or not isinstance(b, _torch_tensor)
             or (out is not None and not isinstance(out, _torch_tensor))
             or type(alpha) is not float

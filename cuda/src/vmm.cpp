@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <functional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
@@ -172,6 +175,7 @@ bool VirtualAllocation::grow(int64_t bytes) {
 
 bool VirtualAllocation::map_range(int64_t from, int64_t to, const void* restore, int64_t restore_bytes,
                                   cudaStream_t stream) {
+  if (restore == nullptr && to - from >= kParallelBytes) return map_range_parallel(from, to);
   const DriverApi& api = driver_with_vmm();
   const CUmemAllocationProp prop = pinned_device_memory(api, device_);
   CUmemAccessDesc access{};
@@ -225,6 +229,81 @@ bool VirtualAllocation::map_range(int64_t from, int64_t to, const void* restore,
   } catch (...) {
     undo();
     throw;
+  }
+  return true;
+}
+
+bool VirtualAllocation::map_range_parallel(int64_t from, int64_t to) {
+  const DriverApi& api = driver_with_vmm();
+  const CUmemAllocationProp prop = pinned_device_memory(api, device_);
+  CUmemAccessDesc access{};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  struct Part {
+    int64_t offset = 0;
+    int64_t bytes = 0;
+    CUmemGenericAllocationHandle handle = 0;
+    cudaError_t runtime = cudaSuccess;  // cudaSetDevice's, in the part's thread
+    CUresult status = CUDA_SUCCESS;     // the first failed driver call's
+    const char* call = nullptr;         // its name
+  };
+  const int64_t per = round_up((to - from + kMapThreads - 1) / kMapThreads);
+  std::vector<Part> parts;
+  for (int64_t offset = from; offset < to; offset += per) {
+    Part p;
+    p.offset = offset;
+    p.bytes = std::min(per, to - offset);
+    parts.push_back(p);
+  }
+  const int device = device_;
+  const unsigned long long base = base_;
+  auto run = [&api, &prop, device, base](Part& p) {
+    p.runtime = cudaSetDevice(device);  // a thread of its own starts with no current context
+    if (p.runtime != cudaSuccess) {
+      p.call = "cudaSetDevice";
+      return;
+    }
+    CUmemGenericAllocationHandle handle = 0;
+    p.status = api.create(&handle, static_cast<size_t>(p.bytes), &prop, 0);
+    if (p.status != CUDA_SUCCESS) {
+      p.call = "cuMemCreate";
+      return;
+    }
+    p.handle = handle;
+    p.status = api.map(static_cast<CUdeviceptr>(base + static_cast<unsigned long long>(p.offset)),
+                       static_cast<size_t>(p.bytes), 0, handle, 0);
+    if (p.status != CUDA_SUCCESS) p.call = "cuMemMap";
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(parts.size());
+  try {
+    for (size_t i = 1; i < parts.size(); ++i) threads.emplace_back(run, std::ref(parts[i]));
+  } catch (...) {
+    // No thread to be had: the parts left run on this one.
+  }
+  run(parts[0]);
+  for (size_t i = threads.size() + 1; i < parts.size(); ++i) run(parts[i]);
+  for (std::thread& t : threads) t.join();
+  INFERCTX_CUDA(cudaSetDevice(device_), device_);  // the calling thread's context, as it was
+
+  const size_t first = chunks_.size();
+  for (const Part& p : parts) {
+    if (p.handle != 0) chunks_.push_back({p.offset, p.bytes, p.handle});
+  }
+  for (const Part& p : parts) {
+    if (p.call == nullptr) continue;
+    release_chunks(first);  // unmapping a part never mapped fails harmlessly
+    if (p.runtime != cudaSuccess) throw_cuda_error(p.runtime, p.call, device_);
+    if (p.status == CUDA_ERROR_OUT_OF_MEMORY) return false;
+    check_driver(p.status, std::string(p.call) + "(" + at_arg(base_ + static_cast<unsigned long long>(p.offset), p.bytes) + ")",
+                 device_);
+  }
+  const CUdeviceptr at = static_cast<CUdeviceptr>(base_ + static_cast<unsigned long long>(from));
+  const CUresult status = api.set_access(at, static_cast<size_t>(to - from), &access, 1);
+  if (status != CUDA_SUCCESS) {
+    release_chunks(first);
+    if (status == CUDA_ERROR_OUT_OF_MEMORY) return false;
+    check_driver(status, "cuMemSetAccess(" + at_arg(at, to - from) + ", read/write for the device)", device_);
   }
   return true;
 }

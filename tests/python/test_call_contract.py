@@ -421,7 +421,9 @@ def test_destroyed_stream_is_refused(torch, ctx):
     x = torch.ones(100, device="cuda")
     with pytest.raises(ConfigError) as info:
         inferctx.dropout(x, 0.5, stream=handle)
-    assert info.value.argument == "stream" and "exists" in str(info.value)
+    # CUDA cannot be asked about a destroyed handle (it reads freed memory); inferctx knows the
+    # handles its own Streams destroyed.
+    assert info.value.argument == "stream" and "destroyed" in str(info.value)
     # The next valid call works: no CUDA error was left pending.
     y, _ = inferctx.dropout(x, 0.0)
     assert bool((y == 1).all())

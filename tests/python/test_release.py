@@ -377,9 +377,9 @@ def test_retake_without_memory_raises_and_leaves_the_context_released_and_consis
     t = torch.from_dlpack(ctx.workspace)
     t.fill_(0x3C)
     reference = t.clone()
-    k, _ = ctx.kv_cache(0)
+    k, v = ctx.kv_cache(0)
     if not ctx.addresses_stable:
-        del t, k
+        del t, k, v  # the fallback frees the memory: no view may be alive
         gc.collect()
     ctx.release_workspace(keep_contents=True)
     taken = hog(torch, ctx, 64 * MIB)
@@ -409,13 +409,48 @@ def test_retake_without_memory_raises_and_leaves_the_context_released_and_consis
         assert back.data_ptr() == t.data_ptr() and k.__dlpack__() is not None
 
 
+@pytest.mark.gpu
+def test_a_workspace_past_8_gib_is_mapped_in_parallel_parts_and_a_failed_retake_keeps_none(ctx, torch):
+    stable_only(ctx)
+    # batch 512: about 38 MiB a token, so the 12 GiB limit holds a little over 300 tokens; from 8 GiB
+    # on, a mapping is made of 4 parts created and mapped by 4 threads at once.
+    fresh_plan(ctx, batch_size=512, max_out_tokens=4096, memory_limit_bytes=12 * GIB)
+    held = ctx.held_bytes
+    assert held >= 8 * GIB
+    t = torch.from_dlpack(ctx.workspace)
+    t.fill_(0x5A)  # every byte of every part is mapped and writable
+    assert bool((t == 0x5A).all())
+    address = t.data_ptr()
+    ctx.release_workspace()
+    ctx.retake_workspace()  # parts again, at the same addresses
+    t.fill_(0x33)
+    assert bool((t[-MIB:] == 0x33).all()) and t.data_ptr() == address
+    ctx.release_workspace()
+    taken = hog(torch, ctx, held // 2)  # some parts can be had, not all
+    try:
+        before = free_bytes(ctx)
+        with pytest.raises(WorkspaceOOMError):
+            ctx.retake_workspace()
+        assert ctx.released and ctx.held_bytes == 0
+        assert abs(free_bytes(ctx) - before) <= SLACK  # the parts that were had went back
+    finally:
+        del taken
+        torch.cuda.empty_cache()
+    assert ctx.retake_workspace() is True
+    t.fill_(0x11)
+    assert bool((t[:MIB] == 0x11).all()) and bool((t[-MIB:] == 0x11).all())
+    del t
+    fresh_plan(ctx)  # back to the small workspace
+
+
 # -- the cudaMalloc fallback ------------------------------------------------------------------
 
 @pytest.mark.gpu
 def test_cudamalloc_fallback_release_with_views_raises_unless_forced(ctx, torch):
     fallback_only(ctx)
     fresh_plan(ctx)
-    k, _ = ctx.kv_cache(0)
+    k, v = ctx.kv_cache(0)
+    del v
     old = k.ptr
     with pytest.raises(WorkspaceInUseError) as info:
         ctx.release_workspace()
