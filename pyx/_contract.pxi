@@ -132,7 +132,7 @@ cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0
     cdef cudaError_t status
     if handle <= <uintptr_t>cudaStreamPerThread:
         return handle  # the default streams of the current device: inferctx runs on ctx's
-    if _destroyed_streams and not isinstance(stream, Stream) and handle in _destroyed_streams:
+    if not isinstance(stream, Stream) and stream_was_destroyed(<cudaStream_t>handle):
         raise _ConfigError(
             f"{argument}: {_type_name(stream)} {handle:#x} is the handle of an inferctx.Stream that "
             f"was destroyed; pass {_STREAM_LIKE} of cuda:{device} that exists", argument=argument)

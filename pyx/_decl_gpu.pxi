@@ -73,6 +73,7 @@ cdef extern from "inferctx/memory.hpp" namespace "inferctx" nogil:
 
 cdef extern from "inferctx/stream.hpp" namespace "inferctx" nogil:
     bool stream_is_on_device(cudaStream_t stream, int device) except +raise_inferctx_error
+    bool stream_was_destroyed(cudaStream_t stream)
     cdef cppclass CppStream "inferctx::Stream":
         CppStream()
         @staticmethod

@@ -57,14 +57,6 @@ cdef int _stream_device(object stream, uintptr_t handle) except -2:
     return -1
 
 
-# Handles of the streams that Stream objects created and have destroyed, oldest first, at most
-# _DESTROYED_KEPT. CUDA cannot be asked about a destroyed handle (it reads freed memory: an error
-# code at best, a crash at worst), so a plain int naming one of these is refused without a CUDA
-# call; a stream created later at the same address takes its handle out again.
-cdef dict _destroyed_streams = {}
-cdef Py_ssize_t _DESTROYED_KEPT = 4096
-
-
 cdef class Stream:
     """A CUDA stream: one this object created (destroyed with it) or one borrowed from its owner.
 
@@ -94,15 +86,6 @@ cdef class Stream:
             self._source = source
         self._handle = <uintptr_t>self._stream.handle()
         self._device = self._stream.device()
-        if source is None:
-            _destroyed_streams.pop(self._handle, None)
-
-    def __dealloc__(self):
-        # The C++ member destroys the stream right after this.
-        if self._handle != 0 and self._stream.owned():
-            _destroyed_streams[self._handle] = None
-            if len(_destroyed_streams) > _DESTROYED_KEPT:
-                del _destroyed_streams[next(iter(_destroyed_streams))]
 
     @property
     def handle(self):

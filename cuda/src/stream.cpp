@@ -1,6 +1,9 @@
 #include "inferctx/stream.hpp"
 
+#include <deque>
+#include <mutex>
 #include <string>
+#include <unordered_set>
 #include <utility>
 
 #include "inferctx/cuda_check.hpp"
@@ -8,6 +11,48 @@
 #include "driver.hpp"
 
 namespace inferctx {
+
+namespace {
+
+// Handles of the streams Stream::create made and a Stream destroyed, oldest first, at most
+// kDestroyedKept. CUDA cannot be asked about a destroyed handle (it reads freed memory: an error
+// code at best, a crash at worst); a stream created later at the same address takes it out.
+constexpr size_t kDestroyedKept = 4096;
+std::mutex destroyed_mutex;
+std::unordered_set<cudaStream_t>& destroyed_set() {
+  static auto* set = new std::unordered_set<cudaStream_t>();
+  return *set;
+}
+std::deque<cudaStream_t>& destroyed_order() {
+  static auto* order = new std::deque<cudaStream_t>();
+  return *order;
+}
+
+void note_destroyed(cudaStream_t handle) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(destroyed_mutex);
+    if (!destroyed_set().insert(handle).second) return;
+    destroyed_order().push_back(handle);
+    if (destroyed_order().size() > kDestroyedKept) {
+      destroyed_set().erase(destroyed_order().front());
+      destroyed_order().pop_front();
+    }
+  } catch (...) {
+    // Out of memory: this handle goes unrecorded, and CUDA is asked about it.
+  }
+}
+
+void note_created(cudaStream_t handle) noexcept {
+  std::lock_guard<std::mutex> lock(destroyed_mutex);
+  destroyed_set().erase(handle);
+}
+
+}  // namespace
+
+bool stream_was_destroyed(cudaStream_t stream) noexcept {
+  std::lock_guard<std::mutex> lock(destroyed_mutex);
+  return destroyed_set().count(stream) != 0;
+}
 
 bool stream_is_on_device(cudaStream_t stream, int device) {
   if (stream == cudaStreamLegacy || stream == cudaStreamPerThread) return true;
@@ -40,6 +85,7 @@ Stream Stream::create(int device) {
   CurrentDeviceScope on(device);
   Stream s;
   INFERCTX_CUDA(cudaStreamCreateWithFlags(&s.handle_, cudaStreamNonBlocking), device);
+  note_created(s.handle_);
   s.device_ = device;
   s.owned_ = true;
   return s;
@@ -60,6 +106,7 @@ Stream::~Stream() {
     CurrentDeviceScope on(device_, std::nothrow);
     // Work still queued completes; the destroy returns at once and frees the stream after it.
     if (cudaStreamDestroy(handle_) != cudaSuccess) cudaGetLastError();
+    note_destroyed(handle_);
   }
 }
 

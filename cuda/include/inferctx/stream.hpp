@@ -19,6 +19,11 @@ void require_explicit_stream(cudaStream_t stream, const char* where);
 // The default stream handles (cudaStreamLegacy, cudaStreamPerThread) belong to every device.
 bool stream_is_on_device(cudaStream_t stream, int device);
 
+// Whether `stream` is the handle of a stream that a Stream created and has destroyed (the last
+// 4096 such handles; a stream created since at the same address is not). CUDA itself cannot be
+// asked about a destroyed handle.
+bool stream_was_destroyed(cudaStream_t stream) noexcept;
+
 class Stream {
  public:
   // A new non-blocking stream on `device` (-1: the current device; never the legacy default stream).
