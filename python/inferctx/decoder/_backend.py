@@ -1,0 +1,257 @@
+"""Where the decoder's products run and its buffers come from.
+
+``GpuBackend``: an ``InferenceContext``; products through ``inferctx.gemm`` / ``inferctx.bmm`` on the
+context's cuBLAS handle (on torch's current stream, so a ``torch.cuda.graph`` captures them), dropout
+through ``inferctx.dropout``, buffers are ``torch.from_dlpack`` views of the workspace.
+
+``CpuBackend``: the same decoder on the CPU, to check its arithmetic against Hugging Face without a
+GPU. ``CpuContext`` plans with the same planner (``inferctx.plan_workspace``) and lays the regions
+out in one host allocation as the GPU context does; its products follow the contract of
+``inferctx.gemm`` / ``bmm`` (row-major, ``trans_b``, ``alpha``, ``beta``, float32 accumulation and one
+rounding) and refuse the operands that those refuse (a layout without a unit stride in one of the
+last two dimensions, ``out`` of another shape or dtype, or sharing memory with an input), so a
+layout error shows on the CPU too. Released memory is refilled with NaN bytes at a retake without
+``keep_contents``, as undefined memory may hold anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, TokenLimitError, WorkspaceStateError
+from ..planning import ModelShape, WorkspacePlan, plan_workspace
+
+__all__ = ["GpuBackend", "CpuBackend", "CpuContext"]
+
+
+class GpuBackend:
+    """inferctx's kernels on ``ctx``."""
+
+    on_gpu = True
+
+    def __init__(self, ctx: Any) -> None:
+        import inferctx
+
+        self.ctx = ctx
+        self.device = torch.device("cuda", ctx.device)
+        self._gemm = inferctx.gemm
+        self._bmm = inferctx.bmm
+        self._dropout = inferctx.dropout
+
+    def tensor(self, view: Any) -> torch.Tensor:
+        return torch.from_dlpack(view)
+
+    def gemm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, trans_b: bool = False,
+             alpha: float = 1.0, beta: float = 0.0) -> None:
+        self._gemm(a, b, out=out, trans_b=trans_b, alpha=alpha, beta=beta, ctx=self.ctx)
+
+    def bmm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, trans_b: bool = False,
+            alpha: float = 1.0) -> None:
+        self._bmm(a, b, out=out, trans_b=trans_b, alpha=alpha, ctx=self.ctx)
+
+    def dropout(self, x: torch.Tensor, p: float, mask: torch.Tensor) -> None:
+        self._dropout(x, p, out=x, mask_out=mask, ctx=self.ctx)
+
+
+def _matrix_ok(t: torch.Tensor) -> bool:
+    """inferctx.gemm's layout rule: unit stride along one of the last two dimensions, the other's
+    stride at least that dimension's length (a row of length 1 or an empty matrix always passes)."""
+    r, c = t.shape[-2], t.shape[-1]
+    sr, sc = t.stride(-2), t.stride(-1)
+    if t.dim() == 3 and t.stride(0) < 0:
+        return False
+    if r == 0 or c == 0:
+        return True
+    if r == 1 or (sc == 1 and sr >= c) or c == 1:
+        return True
+    return sr == 1 and sc >= r
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+def _check(name: str, ndim: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+           trans_b: bool) -> None:
+    for arg, t in (("a", a), ("b", b), ("out", out)):
+        if t.dim() != ndim:
+            raise ConfigError(f"{name}: {arg} must be {ndim}-D; got shape {tuple(t.shape)}", argument=arg)
+        if not _matrix_ok(t):
+            raise ConfigError(f"{name}: {arg} of shape {tuple(t.shape)} has strides {t.stride()}; one of "
+                              f"its last two dimensions must have stride 1", argument=arg)
+        if t.dtype != a.dtype:
+            raise ConfigError(f"{name}: {arg} is {t.dtype}, a is {a.dtype}", argument=arg)
+    m, k = a.shape[-2], a.shape[-1]
+    kb, n = (b.shape[-1], b.shape[-2]) if trans_b else (b.shape[-2], b.shape[-1])
+    if k != kb:
+        raise ConfigError(f"{name}: a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply", argument="b")
+    expected: tuple[int, ...] = (m, n)
+    if ndim == 3:
+        batch = max(a.shape[0], b.shape[0])
+        if a.shape[0] not in (1, batch) or b.shape[0] not in (1, batch):
+            raise ConfigError(f"{name}: batch sizes {a.shape[0]} and {b.shape[0]}", argument="b")
+        expected = (batch, m, n)
+    if tuple(out.shape) != expected:
+        raise ConfigError(f"{name}: out has shape {tuple(out.shape)}, expected {expected}", argument="out")
+    lo, hi = _span(out)
+    for arg, t in (("a", a), ("b", b)):
+        tlo, thi = _span(t)
+        if tlo < hi and lo < thi:
+            raise ConfigError(f"{name}: out shares memory with {arg}", argument="out")
+
+
+class CpuBackend:
+    """The decoder's products with torch on the CPU, under inferctx.gemm's contract."""
+
+    on_gpu = False
+
+    def __init__(self, ctx: CpuContext) -> None:
+        self.ctx = ctx
+        self.device = torch.device("cpu")
+
+    def tensor(self, view: Any) -> torch.Tensor:
+        assert isinstance(view, torch.Tensor)
+        return view
+
+    def _product(self, name: str, ndim: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                 trans_b: bool, alpha: float, beta: float) -> None:
+        _check(name, ndim, a, b, out, trans_b)
+        self.ctx._require_held(name)
+        rhs = b.transpose(-1, -2) if trans_b else b
+        acc = torch.matmul(a.float(), rhs.float())
+        if alpha != 1.0:
+            acc = acc * alpha
+        if beta != 0.0:
+            acc = acc + beta * out.float()
+        out.copy_(acc)
+
+    def gemm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, trans_b: bool = False,
+             alpha: float = 1.0, beta: float = 0.0) -> None:
+        self._product("gemm", 2, a, b, out, trans_b, alpha, beta)
+
+    def bmm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, trans_b: bool = False,
+            alpha: float = 1.0) -> None:
+        self._product("bmm", 3, a, b, out, trans_b, alpha, 0.0)
+
+    def dropout(self, x: torch.Tensor, p: float, mask: torch.Tensor) -> None:
+        if not x.is_contiguous():
+            raise ConfigError("dropout: x must be contiguous", argument="x")
+        keep = torch.rand(x.shape) > p
+        x.mul_(keep.to(x.dtype)).mul_(1.0 / (1.0 - p))
+
+
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CpuContext:
+    """The part of InferenceContext the decoder uses, in host memory, laid out by the same plan."""
+
+    device = -1
+    addresses_stable = True
+
+    def __init__(self, free_bytes: int = 8 << 30) -> None:
+        self._free = free_bytes
+        self._plan: WorkspacePlan | None = None
+        self._ws = torch.empty(0, dtype=torch.uint8)
+        self._released = False
+        self._saved: torch.Tensor | None = None
+        self._tokens = 0
+
+    def gen_workspace(self, shape: ModelShape, *, batch_size: int, prompt_len: int, max_out_tokens: int,
+                      dtype: str = "float16") -> WorkspacePlan:
+        plan = plan_workspace(shape, batch_size=batch_size, prompt_len=prompt_len,
+                              max_out_tokens=max_out_tokens, dtype=dtype, free_bytes=self._free,
+                              total_bytes=self._free)
+        if self._plan is None or plan != self._plan:
+            self._plan = plan
+            self._ws = torch.full((plan.workspace_bytes,), 0xFF, dtype=torch.uint8)  # NaN in every dtype
+        return self._plan
+
+    @property
+    def plan(self) -> WorkspacePlan:
+        if self._plan is None:
+            raise WorkspaceStateError("plan: no workspace is planned; call gen_workspace(...) first")
+        return self._plan
+
+    def _require_held(self, what: str) -> None:
+        if self._released:
+            raise WorkspaceStateError(f"{what}: the workspace is released; call retake_workspace() first")
+
+    def _region(self, offset: int, nbytes: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        self._require_held("view")
+        t = self._ws[offset:offset + nbytes].view(_TORCH[self.plan.dtype])
+        return t if shape is None else t[:_numel(shape)].view(shape)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return 0 if self._plan is None else self._plan.workspace_bytes
+
+    @property
+    def workspace(self) -> torch.Tensor:
+        self._require_held("workspace")
+        return self._ws
+
+    @property
+    def activations(self) -> torch.Tensor:
+        p = self.plan
+        return self._region(p.activations_offset, p.activations_bytes)
+
+    @property
+    def attention_scores(self) -> torch.Tensor:
+        p = self.plan
+        return self._region(p.attention_scores_offset, p.attention_scores_bytes)
+
+    def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.plan
+        key = p.kv_cache_offset + layer * p.kv_layer_stride
+        return (self._region(key, p.kv_tensor_bytes, p.kv_shape),
+                self._region(key + p.kv_value_offset, p.kv_tensor_bytes, p.kv_shape))
+
+    @property
+    def max_token_length(self) -> int:
+        return 0 if self._plan is None else self._plan.max_tokens
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release_workspace(self, force: bool = False, *, keep_contents: bool = False) -> None:
+        self._saved = self._ws.clone() if keep_contents else None
+        self._released = True
+
+    def retake_workspace(self) -> bool:
+        if self._saved is not None:
+            self._ws.copy_(self._saved)
+        else:
+            self._ws.fill_(0xFF)
+        self._saved = None
+        self._released = False
+        return True
+
+    @property
+    def current_tokens(self) -> int:
+        return self._tokens
+
+    def advance_tokens(self, n: int = 1) -> None:
+        limit = self.max_token_length
+        if n > limit - self._tokens:
+            raise TokenLimitError(f"advance_tokens({n}): {self._tokens} + {n} tokens would pass "
+                                  f"max_token_length={limit}", current=self._tokens, requested=n, limit=limit)
+        self._tokens += n
+
+    def reset_tokens(self, initial: int = 1) -> None:
+        if not 0 <= initial <= self.max_token_length:
+            raise ConfigError(f"initial: got {initial}", argument="initial")
+        self._tokens = initial
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

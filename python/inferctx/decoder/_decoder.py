@@ -1,0 +1,474 @@
+"""ReferenceDecoder: greedy decoding of a GPT-2 or Llama-architecture model inside an inferctx
+workspace, the prompt eager and every decode step one replay of a CUDA graph captured once.
+See the package docstring for the layout and the graph."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError, WorkspaceStateError
+from . import _layers as L
+from ._backend import CpuBackend, CpuContext, GpuBackend
+from ._models import TORCH_DTYPES, ModelSpec, Weights, dtype_name
+
+__all__ = ["ReferenceDecoder", "Generation"]
+
+_ALIGN = 256  # bytes between carved buffers, as the planner aligns regions
+
+
+@dataclass
+class Generation:
+    """What ``generate`` returns. ``tokens`` [batch, n] (on the decoder's device); ``logits``
+    [n, batch, vocab] when asked for (row i predicts tokens[:, i]); ``prefill_ms`` and
+    ``step_ms`` (one per decode step; CUDA-event times on the GPU) when timed."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor | None = None
+    prefill_ms: float | None = None
+    step_ms: list[float] = field(default_factory=list)
+    graph: bool = False
+
+
+def _positive(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}: got {value!r}; it must be a positive integer", argument=name)
+    return value
+
+
+class _Carver:
+    """Cuts aligned 1-D buffers out of a region; what does not fit goes to one extra allocation."""
+
+    def __init__(self, region: torch.Tensor, groups: list[list[list[tuple[str, int]]]],
+                 device: torch.device) -> None:
+        # groups: each a list of alternatives (overlaid: they share one base), each a list of (name, numel)
+        step = max(1, _ALIGN // region.element_size())
+        up = lambda n: -(-n // step) * step  # noqa: E731
+        placed: list[tuple[bool, int, list[list[tuple[str, int]]]]] = []
+        used = extra = 0
+        for alternatives in groups:
+            size = max(sum(up(n) for _, n in alt) for alt in alternatives)
+            if used + size <= region.numel():
+                placed.append((True, used, alternatives))
+                used += size
+            else:
+                placed.append((False, extra, alternatives))
+                extra += size
+        self.extra = torch.empty(extra, dtype=region.dtype, device=device) if extra else None
+        self.extra_bytes = extra * region.element_size()
+        self.buffers: dict[str, torch.Tensor] = {}
+        for in_region, base, alternatives in placed:
+            source = region if in_region else self.extra
+            assert source is not None
+            for alt in alternatives:
+                offset = base
+                for name, n in alt:
+                    self.buffers[name] = source[offset:offset + n]
+                    offset += up(n)
+
+
+class ReferenceDecoder:
+    """A GPT-2 or Llama-architecture decoder equal to a Hugging Face model, run in ``ctx``'s workspace.
+
+    Parameters
+    ----------
+    model
+        A transformers GPT2LMHeadModel or LlamaForCausalLM (see ``build_hf_model``); its weights are
+        copied to the device in ``dtype`` (shared when they already are there in that dtype).
+    batch_size, prompt_len, max_new_tokens
+        The plan: up to ``batch_size`` sequences of up to ``prompt_len`` prompt tokens, and
+        ``prompt_len + max_new_tokens`` tokens in the KV cache (``max_out_tokens``).
+    dtype
+        'float16' (default), 'bfloat16' or 'float32': the weights', the workspace's and the logits'.
+    ctx
+        The InferenceContext (default: the one of ``device``, or the current device), or a
+        ``CpuContext`` to run on the CPU. Its workspace is planned here (``gen_workspace``).
+    dropout
+        Probability p of MC-dropout on each block's output before the residual add (GPT-2's
+        resid_pdrop places), through ``inferctx.dropout``; 0 (default) runs none.
+    use_graph
+        Replay each decode step from a CUDA graph captured at the first one (GPU only).
+    """
+
+    def __init__(self, model: Any, *, batch_size: int, prompt_len: int, max_new_tokens: int,
+                 dtype: Any = "float16", ctx: Any = None, device: int | None = None, dropout: float = 0.0,
+                 use_graph: bool = True) -> None:
+        self.spec = ModelSpec.from_hf_config(model.config)
+        self.batch = _positive(batch_size, "batch_size")
+        self.prompt_len = _positive(prompt_len, "prompt_len")
+        self.max_new_tokens = _positive(max_new_tokens, "max_new_tokens")
+        self.dtype_name = dtype_name(dtype)
+        self.dtype = TORCH_DTYPES[self.dtype_name]
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"dropout: got {dropout!r}; it must be a probability in [0, 1)", argument="dropout")
+        self.dropout = float(dropout)
+        s = self.spec
+        if s.arch == "gpt2" and prompt_len + max_new_tokens > s.max_positions:
+            raise ConfigError(f"max_new_tokens: prompt_len + max_new_tokens = {prompt_len + max_new_tokens} "
+                              f"passes GPT-2's n_positions={s.max_positions}", argument="max_new_tokens")
+        if isinstance(ctx, CpuContext):
+            self.backend: GpuBackend | CpuBackend = CpuBackend(ctx)
+        else:
+            if ctx is None:
+                from ..context import InferenceContext
+
+                ctx = InferenceContext.instance(device)
+            self.backend = GpuBackend(ctx)
+        self.ctx = ctx
+        self.device = self.backend.device
+        self.use_graph = bool(use_graph) and self.backend.on_gpu
+        self.plan = ctx.gen_workspace(s.model_shape(), batch_size=self.batch, prompt_len=self.prompt_len,
+                                      max_out_tokens=self.prompt_len + self.max_new_tokens,
+                                      dtype=self.dtype_name)
+        self.max_tokens = self.plan.max_tokens
+        self.weights = Weights.from_hf(model, s, self.device, self.dtype)
+        self.eps = float(model.config.layer_norm_epsilon if s.arch == "gpt2" else model.config.rms_norm_eps)
+        scale = s.head_dim ** -0.5
+        self.scale = scale
+        self._scale_in_product = math.frexp(scale)[0] == 0.5  # a power of two: scaling there rounds alike
+        self._minval = torch.finfo(self.dtype).min
+        self._stream = torch.cuda.Stream(self.device) if self.backend.on_gpu else None
+        self._graph: Any = None
+        self._prefilled = False
+        self._state_small()
+        self._bind()
+
+    # -- buffers -------------------------------------------------------------------------------
+    def _state_small(self) -> None:
+        """Small device state outside the workspace: token ids, the position, masks, RoPE tables."""
+        b, T, dev = self.batch, self.max_tokens, self.device
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(1, **i64)  # the position the next decode step writes (its input token's)
+        self.tokens = torch.zeros(b, **i64)  # the next input token of each sequence
+        self.out_ids = torch.zeros(b, T + 1, **i64)  # every sequence's tokens by position
+        self._prompt = torch.zeros(b * self.prompt_len, **i64)
+        self._arange = torch.arange(T, **i64)
+        self._mask_now = torch.zeros(T, dtype=torch.bool, device=dev)  # keys after pos
+        self._causal = torch.ones(self.prompt_len, self.prompt_len, dtype=torch.bool, device=dev).triu(1)
+        n = self.batch * self.prompt_len * self.spec.hidden
+        self._drop_mask = torch.zeros(-(-n // 32), dtype=torch.int32, device=dev) if self.dropout else None
+        if self.spec.arch == "llama":
+            assert self.weights.inv_freq is not None
+            self._cos, self._sin = L.rope_tables(self.weights.inv_freq, T, self.dtype)
+            self._cos_now = torch.empty(1, self.spec.head_dim, dtype=self.dtype, device=dev)
+            self._sin_now = torch.empty_like(self._cos_now)
+
+    def _bind(self) -> None:
+        """Views of the workspace: KV cache per layer, buffers carved from activations and scores."""
+        ctx, s, b = self.ctx, self.spec, self.batch
+        be = self.backend
+        N = b * self.prompt_len
+        h, hd, nh, nkv = s.hidden, s.head_dim, s.num_heads, s.num_kv_heads
+        H, KV, V, I = nh * hd, nkv * hd, s.vocab_size, s.intermediate
+        llama = s.arch == "llama"
+        common = [("logits", b * V), ("x", N * h), ("tmp", N * h)] + ([("y", N * h)] if llama else [])
+        attention = [("qkv", N * (H + 2 * KV)), ("qh", N * H), ("ctx", N * H)]
+        if llama:
+            attention += [("ra", N * H), ("rb", N * H), ("kr", N * KV)]
+        mlp = [("mlp", N * (2 * I if llama else I))] + ([] if llama else [("gelu", N * I)])
+        acts = _Carver(be.tensor(ctx.activations), [[common], [attention, mlp]], self.device)
+        T = self.max_tokens
+        scores_n = b * nh * max(T, self.prompt_len * self.prompt_len)
+        scores = _Carver(be.tensor(ctx.attention_scores), [[[("scores", scores_n)]], [[("probs", scores_n)]]],
+                         self.device)
+        self.buf = {**acts.buffers, **scores.buffers}
+        self.extra_bytes = acts.extra_bytes + scores.extra_bytes
+        self._extra = (acts.extra, scores.extra)
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in range(s.num_layers):
+            k_view, v_view = ctx.kv_cache(layer)
+            self.kv.append((be.tensor(k_view), be.tensor(v_view)))
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """The last step's logits [batch, vocab] (a workspace view, overwritten by the next step)."""
+        return self.buf["logits"].view(self.batch, self.spec.vocab_size)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return int(self.plan.workspace_bytes)
+
+    # -- checks --------------------------------------------------------------------------------
+    def _check_state(self, what: str) -> None:
+        ctx = self.ctx
+        if ctx.released:
+            raise WorkspaceStateError(f"{what}: the workspace is released; call retake() (or "
+                                      f"ctx.retake_workspace()) first")
+        if ctx.plan is not self.plan:
+            raise WorkspaceStateError(f"{what}: the context's workspace was planned again (gen_workspace) "
+                                      f"since this decoder planned it; make a new ReferenceDecoder")
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            with torch.no_grad():
+                yield
+        else:
+            with torch.no_grad(), torch.cuda.stream(self._stream):
+                yield
+
+    # -- the model -----------------------------------------------------------------------------
+    def _linear(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        """out <- a @ W (+ bias), rounded once (the bias goes in as beta * out, as torch's addmm)."""
+        if bias is None:
+            self.backend.gemm(a, w, out, trans_b=self.weights.trans)
+        else:
+            out.copy_(bias.expand_as(out))
+            self.backend.gemm(a, w, out, trans_b=self.weights.trans, beta=1.0)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.spec.arch == "gpt2":
+            return L.layer_norm(x, w, bias, self.eps)
+        rows = x.shape[0]
+        return L.rms_norm(x, w, self.eps, self.buf["y"][:rows * x.shape[1]].view(rows, x.shape[1]))
+
+    def _run(self, n: int, decode: bool) -> None:
+        """The forward pass of n tokens per sequence: the prompt (decode False: positions 0..n-1),
+        or one token at position ``pos`` (decode True: static shapes, the position on the device)."""
+        s, w, be, buf = self.spec, self.weights, self.backend, self.buf
+        b, T = self.batch, self.max_tokens
+        N = b * n
+        h, hd, nh, nkv, g = s.hidden, s.head_dim, s.num_heads, s.num_kv_heads, s.group
+        H, KV = nh * hd, nkv * hd
+        llama = s.arch == "llama"
+        x = buf["x"][:N * h].view(N, h)
+        tmp = buf["tmp"][:N * h].view(N, h)
+        qkv = buf["qkv"][:N * (H + 2 * KV)].view(N, H + 2 * KV)
+        qh = buf["qh"][:N * H]  # queries head-major [b, nh, n, hd]; the prompt's attention output after
+        ctx_out = buf["ctx"][:N * H].view(N, H)  # attention output token-major [b * n, nh * hd]
+        keys = T if decode else n
+        scores = buf["scores"][:b * nh * n * keys].view(b * nkv, g * n, keys)
+        probs = buf["probs"][:b * nh * n * keys].view(b * nkv, g * n, keys)
+        ids = self.tokens if decode else self._prompt[:N]
+        torch.index_select(w.embed, 0, ids, out=x)
+        if w.positions is not None:  # GPT-2's learned positions
+            if decode:
+                torch.index_select(w.positions, 0, self.pos, out=tmp[:1])
+                x.add_(tmp[:1])
+            else:
+                x.view(b, n, h).add_(w.positions[:n])
+        if decode:
+            torch.gt(self._arange, self.pos, out=self._mask_now)
+        if llama:
+            if decode:
+                torch.index_select(self._cos, 0, self.pos, out=self._cos_now)
+                torch.index_select(self._sin, 0, self.pos, out=self._sin_now)
+                cos, sin = self._cos_now.view(1, 1, 1, hd), self._sin_now.view(1, 1, 1, hd)
+            else:
+                cos, sin = self._cos[:n].view(1, n, 1, hd), self._sin[:n].view(1, n, 1, hd)
+        for layer, lw in enumerate(w.layers):
+            k_full, v_full = self.kv[layer]  # [b, nkv, T, head_dim_padded]
+            he = k_full.shape[-1]
+            k_cache, v_cache = k_full[..., :hd], v_full[..., :hd]
+            self._linear(self._norm(x, lw.norm1_w, lw.norm1_b), lw.qkv, lw.qkv_b, qkv)
+            q = qkv[:, :H].view(b, n, nh, hd)
+            k = qkv[:, H:H + KV].view(b, n, nkv, hd)
+            v = qkv[:, H + KV:].view(b, n, nkv, hd)
+            q_dst = qh.view(b, nh, n, hd).transpose(1, 2)
+            if llama:
+                ra, rb = buf["ra"][:N * H].view(b, n, nh, hd), buf["rb"][:N * H].view(b, n, nh, hd)
+                L.rope(q, cos, sin, q_dst, ra, rb)
+                k_rot = buf["kr"][:N * KV].view(b, n, nkv, hd)
+                L.rope(k, cos, sin, k_rot, buf["ra"][:N * KV].view(b, n, nkv, hd),
+                       buf["rb"][:N * KV].view(b, n, nkv, hd))
+                k = k_rot
+            else:
+                q_dst.copy_(q)
+            if decode:  # at the device position: static addresses for the graph
+                k_cache.index_copy_(2, self.pos, k.transpose(1, 2))
+                v_cache.index_copy_(2, self.pos, v.transpose(1, 2))
+            else:
+                k_cache[:, :, :n].copy_(k.transpose(1, 2))
+                v_cache[:, :, :n].copy_(v.transpose(1, 2))
+            # grouped-query attention: the g query heads of a KV head are one matrix of g * n rows
+            q3 = qh.view(b * nkv, g * n, hd)
+            k3 = k_full.view(b * nkv, T, he)[:, :keys, :hd]
+            v3 = v_full.view(b * nkv, T, he)[:, :keys, :hd]
+            if self._scale_in_product:
+                be.bmm(q3, k3, scores, trans_b=True, alpha=self.scale)
+            else:
+                be.bmm(q3, k3, scores, trans_b=True)
+                scores.mul_(self.scale)
+            if decode:
+                scores.masked_fill_(self._mask_now, self._minval)
+            else:
+                scores.view(b * nkv, g, n, n).masked_fill_(self._causal[:n, :n], self._minval)
+            L.softmax(scores, probs, float32_first=llama)
+            if decode:  # one query per head: head-major is token-major
+                be.bmm(probs, v3, ctx_out.view(b * nkv, g, hd))
+            else:
+                be.bmm(probs, v3, qh.view(b * nkv, g * n, hd))
+                ctx_out.view(b, n, nh, hd).copy_(qh.view(b, nh, n, hd).transpose(1, 2))
+            self._linear(ctx_out, lw.out, lw.out_b, tmp)
+            self._residual(x, tmp, N)
+            xn = self._norm(x, lw.norm2_w, lw.norm2_b)
+            if llama:
+                I = s.intermediate
+                gate_up = buf["mlp"][:N * 2 * I].view(N, 2 * I)
+                self._linear(xn, lw.up, lw.up_b, gate_up)
+                gate = gate_up[:, :I]
+                F.silu(gate, inplace=True)
+                gate.mul_(gate_up[:, I:])
+                self._linear(gate, lw.down, lw.down_b, tmp)
+            else:
+                I = s.intermediate
+                up = buf["mlp"][:N * I].view(N, I)
+                self._linear(xn, lw.up, lw.up_b, up)
+                L.gelu_new_(up, buf["gelu"][:N * I].view(N, I))
+                self._linear(up, lw.down, lw.down_b, tmp)
+            self._residual(x, tmp, N)
+        last = x if decode else x.view(b, n, h)[:, n - 1]
+        be.gemm(self._norm(last, w.norm_w, w.norm_b), w.lm_head, self.logits, trans_b=True)
+        torch.argmax(self.logits, -1, out=self.tokens)
+        if decode:
+            self.pos.add_(1)
+            self.out_ids.index_copy_(1, self.pos, self.tokens.view(b, 1))
+
+    def _residual(self, x: torch.Tensor, block_out: torch.Tensor, rows: int) -> None:
+        if self.dropout:
+            assert self._drop_mask is not None
+            self.backend.dropout(block_out, self.dropout, self._drop_mask[:-(-rows * block_out.shape[1] // 32)])
+        x.add_(block_out)
+
+    # -- generation ----------------------------------------------------------------------------
+    def prefill(self, prompt: torch.Tensor) -> None:
+        """Starts a sequence: runs the prompt [rows, L] (rows <= batch_size, L <= prompt_len) eagerly,
+        fills the KV cache's first L positions and picks each sequence's next token. Rows below
+        batch_size are padded with the first row (their results are dropped)."""
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype.is_floating_point:
+            raise ConfigError(f"prompt: got {getattr(prompt, 'shape', type(prompt).__name__)}; it must be a "
+                              f"2-D integer tensor [batch, length] of token ids", argument="prompt")
+        rows, n = prompt.shape
+        if rows > self.batch:
+            raise ConfigError(f"batch_size: the prompt has {rows} sequences but the decoder was planned for "
+                              f"batch_size={self.batch}; make a ReferenceDecoder with batch_size={rows}",
+                              argument="batch_size")
+        if not 1 <= n <= self.prompt_len or rows < 1:
+            raise ConfigError(f"prompt_len: the prompt has {n} tokens per sequence; the decoder was planned "
+                              f"for 1..{self.prompt_len} (prompt_len)", argument="prompt_len")
+        lo, hi = int(prompt.min()), int(prompt.max())
+        if lo < 0 or hi >= self.spec.vocab_size:
+            raise ConfigError(f"prompt: token ids must be in 0..{self.spec.vocab_size - 1}; got {lo}..{hi}",
+                              argument="prompt")
+        self._check_state("prefill")
+        self._prefilled = False
+        self.ctx.reset_tokens(0)
+        self.ctx.advance_tokens(n)
+        caller = torch.cuda.current_stream(self.device) if self._stream is not None else None
+        with self._on_stream():
+            if self._stream is not None and caller is not None:
+                self._stream.wait_stream(caller)
+            ids = self._prompt[:self.batch * n].view(self.batch, n)
+            ids[:rows].copy_(prompt, non_blocking=True)
+            if rows < self.batch:
+                ids[rows:].copy_(ids[:1].expand(self.batch - rows, n))
+            for _, v_full in self.kv:  # what attention reads past the sequence must be finite: zeros
+                v_full[:, :, n:].zero_()
+            self._run(n, decode=False)
+            self.out_ids[:, :n].copy_(ids)
+            self.out_ids[:, n].copy_(self.tokens)
+            self.pos.fill_(n)
+        self._rows, self._length = rows, n
+        self._prefilled = True
+
+    def step(self, use_graph: bool | None = None) -> None:
+        """One decode step of every sequence: feeds each its last token, writes K and V at the current
+        position and picks the next token. TokenLimitError, before anything is queued, when the KV
+        cache is full (ctx.max_token_length). With the graph, the first step runs eagerly and is
+        captured; later steps (of this and later generations) replay it."""
+        self._check_state("step")
+        if not self._prefilled:
+            raise WorkspaceStateError("step: no sequence in the KV cache; call prefill(prompt) or generate()")
+        graph = self.use_graph if use_graph is None else bool(use_graph) and self.backend.on_gpu
+        self.ctx.advance_tokens(1)  # raises TokenLimitError at max_token_length: nothing is launched
+        with self._on_stream():
+            if graph and self._graph is not None:
+                self._graph.replay()
+            else:
+                self._run(1, decode=True)
+                if graph:
+                    self._capture()
+
+    def _capture(self) -> None:
+        """Captures the decode step (its state already advanced by the eager step just run, the
+        warm-up on this side stream): capturing queues nothing, so the state is unchanged."""
+        assert self._stream is not None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self._stream):
+            self._run(1, decode=True)
+        self._graph = graph
+
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int | None = None, *, return_logits: bool = False,
+                 use_graph: bool | None = None, timing: bool = False) -> Generation:
+        """Greedy decoding: ``max_new_tokens`` (default: the planned number) tokens after ``prompt``
+        [rows, L]; the prefill gives the first, each decode step one more."""
+        n = self.max_new_tokens if max_new_tokens is None else _positive(max_new_tokens, "max_new_tokens")
+        graph = self.use_graph if use_graph is None else bool(use_graph) and self.backend.on_gpu
+        on_gpu = self._stream is not None
+        rows = prompt.shape[0] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 0
+        logits = (torch.empty(n, max(rows, 1), self.spec.vocab_size, dtype=self.dtype, device=self.device)
+                  if return_logits else None)
+        marks: list[Any] = []
+
+        def mark() -> None:
+            if not timing:
+                return
+            if on_gpu:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record(self._stream)
+                marks.append(e)
+            else:
+                marks.append(time.perf_counter())
+
+        mark()
+        self.prefill(prompt)
+        mark()
+        rows, length = self._rows, self._length
+        if logits is not None:
+            with self._on_stream():
+                logits[0].copy_(self.logits[:rows])
+        for i in range(1, n):
+            self.step(graph)
+            mark()
+            if logits is not None:
+                with self._on_stream():
+                    logits[i].copy_(self.logits[:rows])
+        if on_gpu:
+            assert self._stream is not None
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        tokens = self.out_ids[:rows, length:length + n].clone()
+        times: list[float] = []
+        if timing:
+            if on_gpu:
+                marks[-1].synchronize()
+                times = [a.elapsed_time(z) for a, z in zip(marks, marks[1:])]
+            else:
+                times = [(z - a) * 1e3 for a, z in zip(marks, marks[1:])]
+        return Generation(tokens, logits, times[0] if times else None, times[1:], graph)
+
+    # -- release and retake --------------------------------------------------------------------
+    def release(self, keep_contents: bool = False) -> None:
+        """Gives the workspace's memory back (``ctx.release_workspace``). With ``keep_contents`` the KV
+        cache survives and the sequence goes on after ``retake()``; without, a new generation must
+        start. The CUDA graph is kept: the workspace keeps its addresses (``ctx.addresses_stable``)."""
+        stable = bool(self.ctx.addresses_stable)
+        self.ctx.release_workspace(force=not stable, keep_contents=keep_contents)
+        if not keep_contents:
+            self._prefilled = False
+
+    def retake(self) -> None:
+        """Takes the workspace back (``ctx.retake_workspace``). Where addresses are not stable (the
+        cudaMalloc fallback), the views are made again and the graph is captured again."""
+        self.ctx.retake_workspace()
+        if not self.ctx.addresses_stable:
+            self._rebind()
+
+    def _rebind(self) -> None:
+        self._bind()
+        self._graph = None
