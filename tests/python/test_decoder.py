@@ -1,0 +1,346 @@
+"""The reference decoder (inferctx.decoder) and `inferctx demo`.
+
+- CLI: the demo's one-line errors and status 2 (bad flags, no torch / transformers, no GPU), on
+  any machine, without torch.
+- CPU (torch and transformers installed): the decoder's arithmetic on the CPU backend equals
+  Hugging Face's; the token limit, the batch check and release / retake.
+- GPU: logits at every step equal those of the Hugging Face model run with its own KV cache
+  (float32: max|diff| / max|ref| <= 1e-4 per step; float16 / bfloat16: the same argmax), over 64
+  steps at batch 1 and 4, GPT-2 and Llama (grouped-query); replayed steps equal eager ones bit for
+  bit; the token limit writes nothing; release / retake keep the graph and the tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import types
+
+import pytest
+
+import inferctx
+from inferctx.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- the CLI without a GPU ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--batch", "0"], "--batch"),
+    (["--new-tokens", "x"], "--new-tokens"),
+    (["--model", "gpt5"], "--model"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--dropout", "1"], "--dropout"),
+    (["--seed", "-1"], "--seed"),
+    (["--heads", "5"], "--heads"),                       # 768 is not divisible by 5
+    (["--model", "llama", "--kv-heads", "3"], "--kv-heads"),
+    (["--prompt-len", "1000"], "positions"),            # GPT-2 has 1024
+])
+def test_demo_bad_flags_are_one_line_and_status_2(capsys, argv, needle):
+    code, out, err = run(capsys, "demo", *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("inferctx") and needle in err, err
+
+
+@pytest.mark.parametrize("missing", [("torch",), ("transformers",), ("torch", "transformers")])
+def test_demo_without_torch_or_transformers_says_how_to_install(capsys, monkeypatch, missing):
+    for name in missing:
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as where it is not installed
+    code, out, err = run(capsys, "demo", "--model", "llama-tiny")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
+        f"inferctx demo: the demo needs {' and '.join(missing)}: pip install 'inferctx[demo]'"]
+
+
+def test_demo_without_a_gpu_says_so(capsys, monkeypatch):
+    from inferctx import demo
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setattr(demo, "_requirements", lambda: (fake_torch, object()))
+    code, out, err = run(capsys, "demo", "--model", "gpt2-tiny")
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("inferctx demo: no CUDA device"), err
+
+
+def test_the_usage_lists_demo_and_importing_the_cli_imports_no_torch(capsys):
+    code, _, err = run(capsys)
+    assert code == 2 and "{plan,presets,demo}" in err
+    import subprocess
+
+    probe = ("import sys, inferctx.cli, inferctx.decoder as d; d.model_spec('llama', num_layers=2); "
+             "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.split() == ["False", "False"], done.stderr
+
+
+def test_model_specs():
+    from inferctx.decoder import PRESETS, model_spec
+
+    small = PRESETS["gpt2-small"]
+    assert (small.num_layers, small.num_heads, small.hidden, small.vocab_size) == (12, 12, 768, 50257)
+    llama = model_spec("llama")
+    assert llama.num_kv_heads < llama.num_heads and llama.group == 4
+    assert model_spec("gpt2", hidden=256, num_heads=4).intermediate == 1024
+    with pytest.raises(inferctx.ConfigError) as e:
+        model_spec("llama", num_kv_heads=5)
+    assert e.value.argument == "num_kv_heads"
+
+
+# -- the decoder on the CPU (checks the arithmetic where there is no GPU) ---------------------------
+
+@pytest.fixture
+def cpu():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return torch
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cpu_decoder_equals_hugging_face(cpu, name, batch):
+    torch = cpu
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, hf_reference_logits, model_spec
+
+    spec = model_spec(name)
+    hf = build_hf_model(spec, seed=0)
+    dec = ReferenceDecoder(hf, batch_size=batch, prompt_len=8, max_new_tokens=12, dtype="float32", ctx=CpuContext())
+    prompt = torch.randint(0, spec.vocab_size, (batch, 8), generator=torch.Generator().manual_seed(1))
+    out = dec.generate(prompt, return_logits=True)
+    ref = hf_reference_logits(hf, prompt, out.tokens)
+    assert out.tokens.shape == (batch, 12) and dec.extra_bytes == 0
+    for step in range(12):
+        assert _rel(out.logits[step], ref[step]) <= 1e-4, step
+    assert torch.equal(out.logits.argmax(-1), ref.argmax(-1))
+
+
+def test_cpu_token_limit_batch_and_release(cpu):
+    torch = cpu
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+
+    spec = model_spec("llama-tiny")
+    hf = build_hf_model(spec, seed=0)
+    ctx = CpuContext()
+    dec = ReferenceDecoder(hf, batch_size=2, prompt_len=8, max_new_tokens=6, dtype="float32", ctx=ctx)
+    prompt = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
+    first = dec.generate(prompt).tokens
+    dec.release()
+    dec.retake()  # the memory comes back as NaN bytes: nothing of it may leak into the result
+    assert torch.equal(dec.generate(prompt).tokens, first)
+    dec.prefill(prompt)
+    dec.step()
+    dec.release(keep_contents=True)
+    with pytest.raises(inferctx.WorkspaceStateError):
+        dec.step()
+    dec.retake()
+    for _ in range(4):
+        dec.step()
+    assert torch.equal(dec.out_ids[:, 8:14], first)
+    dec.step()  # writes position 13, the last one
+    workspace = ctx.workspace.clone()
+    with pytest.raises(inferctx.TokenLimitError):
+        dec.step()  # 8 + 6 tokens are in the cache
+    assert torch.equal(ctx.workspace, workspace) and int(dec.pos) == 14
+    with pytest.raises(inferctx.ConfigError) as e:
+        dec.generate(torch.zeros(3, 8, dtype=torch.long))
+    assert e.value.argument == "batch_size"
+
+
+# -- the decoder on the GPU -----------------------------------------------------------------------
+
+PROMPT, STEPS = 16, 64
+SPECS = {"gpt2": ("gpt2-tiny", dict(num_layers=3, vocab_size=2048)),
+         "llama": ("llama-tiny", dict(num_layers=3, vocab_size=2048))}  # llama: 8 heads on 2 KV heads
+_models: dict = {}
+
+
+@pytest.fixture
+def gpu(torch):
+    pytest.importorskip("transformers")
+    import gc
+
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the reference in fp32
+    yield torch
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _model(arch):
+    from inferctx.decoder import build_hf_model, model_spec
+
+    if arch not in _models:
+        name, overrides = SPECS.get(arch, (arch, {}))
+        spec = model_spec(name, **overrides)
+        _models[arch] = (spec, build_hf_model(spec, seed=0))
+    return _models[arch]
+
+
+def _setup(torch, arch, batch, dtype, new=STEPS, **kw):
+    from inferctx.decoder import ReferenceDecoder
+
+    spec, hf = _model(arch)
+    dec = ReferenceDecoder(hf, batch_size=batch, prompt_len=PROMPT, max_new_tokens=new, dtype=dtype, **kw)
+    gen = torch.Generator().manual_seed(batch)
+    prompt = torch.randint(0, spec.vocab_size, (batch, PROMPT), generator=gen).cuda()
+    return spec, hf, dec, prompt
+
+
+def _reference(torch, hf, dtype, prompt, tokens):
+    from inferctx.decoder import hf_reference_logits
+
+    model = copy.deepcopy(hf).to(device="cuda", dtype=getattr(torch, dtype))
+    return hf_reference_logits(model, prompt, tokens)
+
+
+def _same_argmax(torch, ours, ref, dtype):
+    """The argmax of every step is the reference's, but for ties at the dtype's resolution: where the
+    reference's logit of our token is within two units in the last place of its largest one."""
+    picked = ours.float().argmax(-1)
+    r = ref.float()
+    top = r.max(-1).values
+    ulp = torch.finfo(getattr(torch, dtype)).eps * top.abs()
+    exact = picked == r.argmax(-1)
+    tie = top - r.gather(-1, picked.unsqueeze(-1)).squeeze(-1) <= 2 * ulp
+    assert bool((exact | tie).all()), f"steps {(~(exact | tie)).nonzero().tolist()} pick another token"
+    assert exact.float().mean() >= 0.95, f"{int((~exact).sum())} of {exact.numel()} argmaxes are ties"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_fp32_logits_equal_hugging_face_at_every_step(gpu, arch, batch):
+    torch = gpu
+    spec, hf, dec, prompt = _setup(torch, arch, batch, "float32")
+    out = dec.generate(prompt, return_logits=True)
+    assert out.graph and out.tokens.shape == (batch, STEPS) and dec.extra_bytes == 0
+    ref = _reference(torch, hf, "float32", prompt, out.tokens)
+    worst = max(_rel(out.logits[i], ref[i]) for i in range(STEPS))
+    assert worst <= 1e-4, worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_half_precision_argmax_equals_hugging_face_at_every_step(gpu, dtype, arch, batch):
+    torch = gpu
+    spec, hf, dec, prompt = _setup(torch, arch, batch, dtype)
+    out = dec.generate(prompt, return_logits=True)
+    _same_argmax(torch, out.logits, _reference(torch, hf, dtype, prompt, out.tokens), dtype)
+
+
+@pytest.mark.gpu
+def test_gpt2_small(gpu):
+    torch = gpu
+    spec, hf, dec, prompt = _setup(torch, "gpt2-small", 1, "float16")
+    assert (spec.num_layers, spec.hidden, spec.vocab_size) == (12, 768, 50257)
+    out = dec.generate(prompt, return_logits=True)
+    _same_argmax(torch, out.logits, _reference(torch, hf, "float16", prompt, out.tokens), "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_replayed_steps_equal_eager_ones_bitwise(gpu, arch):
+    torch = gpu
+    _, _, dec, prompt = _setup(torch, arch, 4, "float16", new=24)
+    eager = dec.generate(prompt, use_graph=False, return_logits=True)
+    assert dec._graph is None
+    first = dec.generate(prompt, return_logits=True)  # step 1 eager and captured, then replays
+    graph = dec._graph
+    again = dec.generate(prompt, return_logits=True)  # every step replayed
+    assert graph is not None and dec._graph is graph
+    assert torch.equal(first.logits, eager.logits) and torch.equal(again.logits, eager.logits)
+    assert torch.equal(first.tokens, eager.tokens) and torch.equal(again.tokens, eager.tokens)
+
+
+@pytest.mark.gpu
+def test_decoding_past_max_token_length_raises_and_writes_nothing(gpu):
+    torch = gpu
+    _, _, dec, prompt = _setup(torch, "llama", 2, "float16", new=8)
+    ctx = dec.ctx
+    assert ctx.max_token_length == PROMPT + 8
+    dec.prefill(prompt)
+    for _ in range(8):  # positions 16..23: the cache is full after them
+        dec.step()
+    torch.cuda.synchronize()
+    workspace = torch.from_dlpack(ctx.workspace).clone()
+    state = (dec.pos.clone(), dec.out_ids.clone(), dec.tokens.clone())
+    with pytest.raises(inferctx.TokenLimitError):
+        dec.step()
+    torch.cuda.synchronize()
+    assert ctx.current_tokens == ctx.max_token_length
+    assert torch.equal(torch.from_dlpack(ctx.workspace), workspace)  # every layer's K and V as they were
+    assert all(torch.equal(a, b) for a, b in zip(state, (dec.pos, dec.out_ids, dec.tokens)))
+
+
+@pytest.mark.gpu
+def test_a_batch_larger_than_planned_is_refused(gpu):
+    torch = gpu
+    spec, _, dec, _ = _setup(torch, "gpt2", 2, "float16", new=4)
+    with pytest.raises(inferctx.ConfigError) as e:
+        dec.generate(torch.zeros(3, PROMPT, dtype=torch.long, device="cuda"))
+    assert e.value.argument == "batch_size" and "batch_size=2" in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_release_and_retake_keep_the_graph_and_the_tokens(gpu, arch):
+    torch = gpu
+    _, _, dec, prompt = _setup(torch, arch, 4, "float16", new=16)
+    ctx = dec.ctx
+    reference = dec.generate(prompt).tokens
+    graph, kv = dec._graph, dec.kv[0][0].data_ptr()
+    dec.release()  # between two generations: the contents may go
+    with pytest.raises(inferctx.WorkspaceStateError):
+        dec.step()  # refused while released: nothing touches unmapped memory
+    dec.retake()
+    if ctx.addresses_stable:
+        assert dec._graph is graph and dec.kv[0][0].data_ptr() == kv
+    assert torch.equal(dec.generate(prompt).tokens, reference)
+    if ctx.addresses_stable:  # the context's own calls, as in the README
+        ctx.release_workspace()
+        ctx.retake_workspace()
+        assert torch.equal(dec.generate(prompt).tokens, reference)
+    dec.prefill(prompt)  # in the middle of a generation: the KV cache must survive
+    for _ in range(5):
+        dec.step()
+    dec.release(keep_contents=True)
+    dec.retake()
+    for _ in range(10):
+        dec.step()
+    torch.cuda.synchronize()
+    assert torch.equal(dec.out_ids[:, PROMPT:PROMPT + 16], reference)
+    assert not ctx.addresses_stable or dec._graph is graph
+
+
+@pytest.mark.gpu
+def test_mc_dropout_draws_fresh_masks_at_every_replay(gpu):
+    torch = gpu
+    _, _, dec, prompt = _setup(torch, "llama", 2, "float32", new=8, dropout=0.2)
+    a = dec.generate(prompt, return_logits=True).logits
+    b = dec.generate(prompt, return_logits=True).logits
+    assert bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())
+    assert all(not torch.equal(a[i], b[i]) for i in range(8))  # the prefill and every replayed step
+
+
+@pytest.mark.gpu
+def test_demo_runs_and_compares_with_transformers(gpu, capsys):
+    code, out, err = run(capsys, "demo", "--model", "llama-tiny", "--prompt-len", "8", "--new-tokens", "16",
+                         "--batch", "2", "--dtype", "float32", "--compare-hf", "--json")
+    assert code == 0, err
+    figures = json.loads(out)
+    assert figures["graph"] and figures["tokens_per_s"] > 0 and figures["peak_bytes"] > figures["workspace_bytes"]
+    assert figures["hf_tokens_equal"], figures
+    code, out, err = run(capsys, "demo", "--model", "gpt2-tiny", "--new-tokens", "8", "--no-graph")
+    assert code == 0 and "ms/step" in out and "tokens/s" in out and "peak" in out, err
