@@ -344,3 +344,33 @@ def test_demo_runs_and_compares_with_transformers(gpu, capsys):
     assert figures["hf_tokens_equal"], figures
     code, out, err = run(capsys, "demo", "--model", "gpt2-tiny", "--new-tokens", "8", "--no-graph")
     assert code == 0 and "ms/step" in out and "tokens/s" in out and "peak" in out, err
+
+
+# -- the README's example -------------------------------------------------------------------------
+
+def _readme_example():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    start = text.index("## Reference decoder\n")
+    end = text.find("\n## ", start + 1)
+    blocks = re.findall(r"```python\n(.*?)```", text[start:end if end > 0 else None], re.S)
+    assert len(blocks) == 1
+    return blocks[0]
+
+
+def test_the_readme_has_the_decoder_example():
+    code = _readme_example()
+    assert "ReferenceDecoder(" in code and "hf_reference_logits(" in code and "dec.retake()" in code
+
+
+@pytest.mark.gpu
+def test_the_readme_example_runs_as_written(gpu, tmp_path):
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-c", _readme_example()], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
