@@ -1,4 +1,4 @@
-"""The `inferctx` command: `inferctx plan ...` and `inferctx presets`.
+"""The `inferctx` command: `inferctx plan ...`, `inferctx presets` and `inferctx demo` (demo.py).
 
 Every failure is one line on stderr in the command's own terms (flag names, GiB for the
 flags given in GiB) and exit status 2; a bare `inferctx` prints the usage on stderr and exits
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__, presets
+from .demo import DemoError, add_demo_parser, run_demo
 from .dtypes import dtype_name
 from .errors import ConfigError, InferCtxError, NoCudaDeviceError, WorkspaceOOMError, _brief
 from .planning import (ModelShape, WorkspacePlan, human_bytes, max_batch_size, max_out_tokens_for,
@@ -56,7 +57,7 @@ def _clip_words(message: str, limit: int = 60) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="inferctx", description="Plan and inspect inference workspaces (no GPU needed).")
     p.add_argument("--version", action="version", version=f"inferctx {__version__}")
-    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,presets}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,presets,demo}")
 
     plan = sub.add_parser("plan", help="plan a workspace (works without a GPU)", epilog=_EPILOG,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("presets", help="list the built-in model and GPU presets")
     ls.add_argument("--json", action="store_true", help="print as JSON")
+    add_demo_parser(sub)
     return p
 
 
@@ -450,15 +452,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_usage(sys.stderr)
-            print("inferctx: error: give a command: plan or presets (inferctx plan --help for its flags)",
+            print("inferctx: error: give a command: plan, presets or demo (inferctx plan --help for its flags)",
                   file=sys.stderr)
             return 2
+        if args.command == "demo":
+            return run_demo(args)
         if args.command == "plan":
             explicit_shape = args.preset is None
             return _cmd_plan(args)
         return _cmd_presets(args)
     except _UsageError as exc:
         print(f"inferctx: error: {exc}", file=sys.stderr)
+        return 2
+    except DemoError as exc:
+        print(f"inferctx demo: {_clip_words(str(exc))}", file=sys.stderr)
         return 2
     except NoCudaDeviceError as exc:
         print(f"inferctx: no CUDA device to read free memory from ({exc.name}): give --gpu PRESET (see "

@@ -62,9 +62,34 @@ padded with its first row.
 
 from __future__ import annotations
 
-from ._backend import CpuContext
-from ._decoder import Generation, ReferenceDecoder
-from ._models import PRESETS, ModelSpec, build_hf_model, hf_reference_logits, model_spec
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ReferenceDecoder", "Generation", "ModelSpec", "PRESETS", "model_spec", "build_hf_model",
-           "hf_reference_logits", "CpuContext"]
+from ._spec import ALIASES, PRESETS, ModelSpec, model_spec  # no torch: the CLI checks these first
+
+# name -> the submodule that defines it (they import torch): loaded on first access (PEP 562)
+_LAZY = {"ReferenceDecoder": "_decoder", "Generation": "_decoder", "build_hf_model": "_models",
+         "hf_reference_logits": "_models", "CpuContext": "_backend"}
+
+if TYPE_CHECKING:
+    from ._backend import CpuContext as CpuContext
+    from ._decoder import Generation as Generation, ReferenceDecoder as ReferenceDecoder
+    from ._models import build_hf_model as build_hf_model, hf_reference_logits as hf_reference_logits
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = ["ReferenceDecoder", "Generation", "ModelSpec", "PRESETS", "ALIASES", "model_spec",
+           "build_hf_model", "hf_reference_logits", "CpuContext"]

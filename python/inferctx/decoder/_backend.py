@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.dlpack import from_dlpack
 
 from ..errors import ConfigError, TokenLimitError, WorkspaceStateError
 from ..planning import ModelShape, WorkspacePlan, plan_workspace
@@ -41,7 +42,7 @@ class GpuBackend:
         self._dropout = inferctx.dropout
 
     def tensor(self, view: Any) -> torch.Tensor:
-        return torch.from_dlpack(view)
+        return from_dlpack(view)
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, trans_b: bool = False,
              alpha: float = 1.0, beta: float = 0.0) -> None:

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from ..errors import ConfigError, WorkspaceStateError
 from . import _layers as L
 from ._backend import CpuBackend, CpuContext, GpuBackend
-from ._models import TORCH_DTYPES, ModelSpec, Weights, dtype_name
+from ._models import TORCH_DTYPES, Weights
+from ._spec import ModelSpec, dtype_name
 
 __all__ = ["ReferenceDecoder", "Generation"]
 
@@ -49,7 +50,10 @@ class _Carver:
                  device: torch.device) -> None:
         # groups: each a list of alternatives (overlaid: they share one base), each a list of (name, numel)
         step = max(1, _ALIGN // region.element_size())
-        up = lambda n: -(-n // step) * step  # noqa: E731
+
+        def up(n: int) -> int:
+            return -(-n // step) * step
+
         placed: list[tuple[bool, int, list[list[tuple[str, int]]]]] = []
         used = extra = 0
         for alternatives in groups:
@@ -123,17 +127,17 @@ class ReferenceDecoder:
         self.ctx = ctx
         self.device = self.backend.device
         self.use_graph = bool(use_graph) and self.backend.on_gpu
+        self.weights = Weights.from_hf(model, s, self.device, self.dtype)  # before the plan reads free memory
         self.plan = ctx.gen_workspace(s.model_shape(), batch_size=self.batch, prompt_len=self.prompt_len,
                                       max_out_tokens=self.prompt_len + self.max_new_tokens,
                                       dtype=self.dtype_name)
         self.max_tokens = self.plan.max_tokens
-        self.weights = Weights.from_hf(model, s, self.device, self.dtype)
         self.eps = float(model.config.layer_norm_epsilon if s.arch == "gpt2" else model.config.rms_norm_eps)
         scale = s.head_dim ** -0.5
         self.scale = scale
         self._scale_in_product = math.frexp(scale)[0] == 0.5  # a power of two: scaling there rounds alike
         self._minval = torch.finfo(self.dtype).min
-        self._stream = torch.cuda.Stream(self.device) if self.backend.on_gpu else None
+        self._stream = torch.cuda.Stream(self.device) if self.backend.on_gpu else None  # type: ignore[no-untyped-call]
         self._graph: Any = None
         self._prefilled = False
         self._state_small()
@@ -143,12 +147,12 @@ class ReferenceDecoder:
     def _state_small(self) -> None:
         """Small device state outside the workspace: token ids, the position, masks, RoPE tables."""
         b, T, dev = self.batch, self.max_tokens, self.device
-        i64 = dict(dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(1, **i64)  # the position the next decode step writes (its input token's)
-        self.tokens = torch.zeros(b, **i64)  # the next input token of each sequence
-        self.out_ids = torch.zeros(b, T + 1, **i64)  # every sequence's tokens by position
-        self._prompt = torch.zeros(b * self.prompt_len, **i64)
-        self._arange = torch.arange(T, **i64)
+        i64 = torch.int64
+        self.pos = torch.zeros(1, dtype=i64, device=dev)  # the position the next decode step writes
+        self.tokens = torch.zeros(b, dtype=i64, device=dev)  # the next input token of each sequence
+        self.out_ids = torch.zeros(b, T + 1, dtype=i64, device=dev)  # every sequence's tokens by position
+        self._prompt = torch.zeros(b * self.prompt_len, dtype=i64, device=dev)
+        self._arange = torch.arange(T, dtype=i64, device=dev)
         self._mask_now = torch.zeros(T, dtype=torch.bool, device=dev)  # keys after pos
         self._causal = torch.ones(self.prompt_len, self.prompt_len, dtype=torch.bool, device=dev).triu(1)
         n = self.batch * self.prompt_len * self.spec.hidden
@@ -420,7 +424,7 @@ class ReferenceDecoder:
             if not timing:
                 return
             if on_gpu:
-                e = torch.cuda.Event(enable_timing=True)
+                e = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 e.record(self._stream)
                 marks.append(e)
             else:
