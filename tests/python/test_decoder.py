@@ -54,8 +54,9 @@ def test_demo_without_torch_or_transformers_says_how_to_install(capsys, monkeypa
         monkeypatch.setitem(sys.modules, name, None)  # import fails as where it is not installed
     code, out, err = run(capsys, "demo", "--model", "llama-tiny")
     assert code == 2 and out == ""
-    assert err.strip().splitlines() == [
-        f"inferctx demo: the demo needs {' and '.join(missing)}: pip install 'inferctx[demo]'"]
+    (line,) = err.strip().splitlines()
+    assert line.startswith("inferctx demo: the demo needs ") and line.endswith(": pip install 'inferctx[demo]'")
+    assert all(name in line for name in missing)  # and any other of the two not installed here
 
 
 def test_demo_without_a_gpu_says_so(capsys, monkeypatch):
