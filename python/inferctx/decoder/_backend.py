@@ -1,4 +1,4 @@
-"""Where the decoder's products run and its buffers come from.
+"""Where the decoder's products run and its buffers come from (and how buffers are cut out of a region).
 
 ``GpuBackend``: an ``InferenceContext``; products through ``inferctx.gemm`` / ``inferctx.bmm`` on the
 context's cuBLAS handle (on torch's current stream, so a ``torch.cuda.graph`` captures them), dropout
@@ -25,6 +25,8 @@ from ..errors import ConfigError, TokenLimitError, WorkspaceStateError
 from ..planning import ModelShape, WorkspacePlan, plan_workspace
 
 __all__ = ["GpuBackend", "CpuBackend", "CpuContext"]
+
+_ALIGN = 256  # bytes between carved buffers, as the planner aligns regions
 
 
 class GpuBackend:
@@ -256,3 +258,50 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+_STREAMS: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """The decoders' stream of ``device``, one for the process: every decoder runs, warms up and
+    captures on it, so inferctx gives its GEMMs one cuBLAS workspace that stays theirs (it keeps
+    workspaces for a few streams; a stream per decoder would cycle them under older graphs)."""
+    index = torch.device(device).index or 0
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return _STREAMS[index]
+
+
+class _Carver:
+    """Cuts aligned 1-D buffers out of a region; what does not fit goes to one extra allocation."""
+
+    def __init__(self, region: torch.Tensor, groups: list[list[list[tuple[str, int]]]],
+                 device: torch.device) -> None:
+        # groups: each a list of alternatives (overlaid: they share one base), each a list of (name, numel)
+        step = max(1, _ALIGN // region.element_size())
+
+        def up(n: int) -> int:
+            return -(-n // step) * step
+
+        placed: list[tuple[bool, int, list[list[tuple[str, int]]]]] = []
+        used = extra = 0
+        for alternatives in groups:
+            size = max(sum(up(n) for _, n in alt) for alt in alternatives)
+            if used + size <= region.numel():
+                placed.append((True, used, alternatives))
+                used += size
+            else:
+                placed.append((False, extra, alternatives))
+                extra += size
+        self.extra = torch.empty(extra, dtype=region.dtype, device=device) if extra else None
+        self.extra_bytes = extra * region.element_size()
+        self.buffers: dict[str, torch.Tensor] = {}
+        for in_region, base, alternatives in placed:
+            source = region if in_region else self.extra
+            assert source is not None
+            for alt in alternatives:
+                offset = base
+                for name, n in alt:
+                    self.buffers[name] = source[offset:offset + n]
+                    offset += up(n)

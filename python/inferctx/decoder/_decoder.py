@@ -15,14 +15,11 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, WorkspaceStateError
 from . import _layers as L
-from ._backend import CpuBackend, CpuContext, GpuBackend
+from ._backend import CpuBackend, CpuContext, GpuBackend, _Carver, _side_stream
 from ._models import TORCH_DTYPES, Weights
 from ._spec import ModelSpec, dtype_name
 
 __all__ = ["ReferenceDecoder", "Generation"]
-
-_ALIGN = 256  # bytes between carved buffers, as the planner aligns regions
-
 
 @dataclass
 class Generation:
@@ -41,40 +38,6 @@ def _positive(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}: got {value!r}; it must be a positive integer", argument=name)
     return value
-
-
-class _Carver:
-    """Cuts aligned 1-D buffers out of a region; what does not fit goes to one extra allocation."""
-
-    def __init__(self, region: torch.Tensor, groups: list[list[list[tuple[str, int]]]],
-                 device: torch.device) -> None:
-        # groups: each a list of alternatives (overlaid: they share one base), each a list of (name, numel)
-        step = max(1, _ALIGN // region.element_size())
-
-        def up(n: int) -> int:
-            return -(-n // step) * step
-
-        placed: list[tuple[bool, int, list[list[tuple[str, int]]]]] = []
-        used = extra = 0
-        for alternatives in groups:
-            size = max(sum(up(n) for _, n in alt) for alt in alternatives)
-            if used + size <= region.numel():
-                placed.append((True, used, alternatives))
-                used += size
-            else:
-                placed.append((False, extra, alternatives))
-                extra += size
-        self.extra = torch.empty(extra, dtype=region.dtype, device=device) if extra else None
-        self.extra_bytes = extra * region.element_size()
-        self.buffers: dict[str, torch.Tensor] = {}
-        for in_region, base, alternatives in placed:
-            source = region if in_region else self.extra
-            assert source is not None
-            for alt in alternatives:
-                offset = base
-                for name, n in alt:
-                    self.buffers[name] = source[offset:offset + n]
-                    offset += up(n)
 
 
 class ReferenceDecoder:
@@ -137,7 +100,7 @@ class ReferenceDecoder:
         self.scale = scale
         self._scale_in_product = math.frexp(scale)[0] == 0.5  # a power of two: scaling there rounds alike
         self._minval = torch.finfo(self.dtype).min
-        self._stream = torch.cuda.Stream(self.device) if self.backend.on_gpu else None  # type: ignore[no-untyped-call]
+        self._stream = _side_stream(self.device) if self.backend.on_gpu else None
         self._graph: Any = None
         self._prefilled = False
         self._state_small()
