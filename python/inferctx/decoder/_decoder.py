@@ -319,7 +319,7 @@ class ReferenceDecoder:
         if not 1 <= n <= self.prompt_len or rows < 1:
             raise ConfigError(f"prompt_len: the prompt has {n} tokens per sequence; the decoder was planned "
                               f"for 1..{self.prompt_len} (prompt_len)", argument="prompt_len")
-        lo, hi = int(prompt.min()), int(prompt.max())
+        lo, hi = torch.stack(torch.aminmax(prompt)).tolist()  # one synchronisation
         if lo < 0 or hi >= self.spec.vocab_size:
             raise ConfigError(f"prompt: token ids must be in 0..{self.spec.vocab_size - 1}; got {lo}..{hi}",
                               argument="prompt")
