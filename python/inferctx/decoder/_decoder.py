@@ -393,22 +393,23 @@ class ReferenceDecoder:
             else:
                 marks.append(time.perf_counter())
 
-        mark()
-        self.prefill(prompt)
-        mark()
-        rows, length = self._rows, self._length
-        if logits is not None:
-            with self._on_stream():
-                logits[0].copy_(self.logits[:rows])
-        for i in range(1, n):
-            self.step(graph)
+        try:
             mark()
+            self.prefill(prompt)
+            mark()
+            rows, length = self._rows, self._length
             if logits is not None:
                 with self._on_stream():
-                    logits[i].copy_(self.logits[:rows])
-        if on_gpu:
-            assert self._stream is not None
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+                    logits[0].copy_(self.logits[:rows])
+            for i in range(1, n):
+                self.step(graph)  # TokenLimitError past max_token_length
+                mark()
+                if logits is not None:
+                    with self._on_stream():
+                        logits[i].copy_(self.logits[:rows])
+        finally:
+            if self._stream is not None:  # the caller's stream waits for what was queued here
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
         tokens = self.out_ids[:rows, length:length + n].clone()
         times: list[float] = []
         if timing:
