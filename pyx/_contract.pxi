@@ -178,10 +178,10 @@ cdef int _operand_device(object obj, int package, str argument) except -2:
         return d if d >= 0 else -1
     if package == PKG_CUPY:
         return obj.device.id
-    return _cuda_device_of(obj)
+    return _cuda_device_of(obj, argument)
 
 
-cdef int _cuda_device_of(object obj) except -2:
+cdef int _cuda_device_of(object obj, str argument) except -2:
     """The CUDA device of `obj` where it can be read without importing the array (a DeviceView,
     or a DLPack exporter's __dlpack_device__); -1 where only an import tells (or `obj` is not
     CUDA memory, which the import then reports)."""
@@ -190,10 +190,21 @@ cdef int _cuda_device_of(object obj) except -2:
     if hasattr(obj, "__dlpack__"):  # as_cuda_array imports it through DLPack
         dlpack_device = getattr(obj, "__dlpack_device__", None)
         if dlpack_device is not None:
-            device_type, device_id = dlpack_device()
-            if int(device_type) == kDLCUDA or int(device_type) == kDLCUDAManaged:
-                return int(device_id)
+            device_type, device_id = _dlpack_device_of(obj, dlpack_device, argument)
+            if device_type == kDLCUDA or device_type == kDLCUDAManaged:
+                return device_id
     return -1
+
+
+def _dlpack_device_of(obj, dlpack_device, argument):
+    """obj.__dlpack_device__() as (device_type, device_id), checked: ConfigError naming the
+    argument when it gives anything but two ints (gemm.py uses it too)."""
+    got = dlpack_device()
+    if (isinstance(got, tuple) and len(got) == 2 and not PyBool_Check(got[0]) and not PyBool_Check(got[1])
+            and isinstance(got[0], int) and isinstance(got[1], int)):
+        return int(got[0]), int(got[1])
+    raise _ConfigError(f"{argument}: {_type_name(obj)}.__dlpack_device__() returned {got!r}; DLPack "
+                       f"gives a (device_type, device_id) tuple of two ints", argument=argument)
 
 
 cdef CudaArray _from_torch(object t, str argument):

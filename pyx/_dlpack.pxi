@@ -269,7 +269,8 @@ cdef tuple _dl_device_arg(object dl_device):
     if dl_device is None:
         return None
     if (not isinstance(dl_device, tuple) or len(dl_device) != 2
-            or PyBool_Check(dl_device[0]) or PyBool_Check(dl_device[1])):
+            or PyBool_Check(dl_device[0]) or PyBool_Check(dl_device[1])
+            or not isinstance(dl_device[0], int) or not isinstance(dl_device[1], int)):
         raise BufferError(f"dl_device: got {dl_device!r}; the DLPack spec passes a "
                           f"(device_type, device_id) tuple such as (1, 0) for the CPU")
     return (int(dl_device[0]), int(dl_device[1]))

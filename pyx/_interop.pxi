@@ -116,7 +116,7 @@ cdef CudaArray _from_device_view(DeviceView view, uintptr_t stream):
 cdef CudaArray _from_dlpack(object obj, str argument, uintptr_t stream):
     dlpack_device = getattr(obj, "__dlpack_device__", None)
     if dlpack_device is not None:
-        device_type = int(dlpack_device()[0])
+        device_type = _dlpack_device_of(obj, dlpack_device, argument)[0]
         if device_type != kDLCUDA and device_type != kDLCUDAManaged:
             raise _ConfigError(_not_cuda(obj, argument, _device_words(device_type)),
                                argument=argument)
@@ -159,25 +159,44 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
     if interface.get("mask") is not None:
         raise _ConfigError(f"{argument}: masked CUDA arrays (a 'mask' in "
                            f"__cuda_array_interface__) are not supported", argument=argument)
+    for key in ("typestr", "shape", "data"):
+        if key not in interface:
+            _bad_interface(obj, argument, f"has no {key!r}")
     typestr = interface["typestr"]
+    if not isinstance(typestr, str):
+        _bad_interface(obj, argument, f"'typestr' is {typestr!r}, not a str")
     dtype = _DTYPE_BY_TYPESTR.get(typestr[1:]) if typestr[:1] in ("<", "|", "=") else None
     if dtype is None:
         raise _ConfigError(f"{argument}: its typestr {typestr!r} is not one inferctx handles "
                            f"(little-endian {', '.join(_DTYPE_NAMES)})", argument=argument)
     cdef int64_t itemsize = _DTYPE_ITEMSIZE[<int>dtype]
-    shape = tuple([int(n) for n in interface["shape"]])
-    data, read_only = interface["data"]
+    shape = _interface_ints(obj, argument, "shape", interface["shape"], False)
+    data = interface["data"]
+    if not isinstance(data, tuple) or len(data) != 2:
+        _bad_interface(obj, argument, f"'data' is {data!r}; the interface gives (pointer, read_only)")
+    address, read_only = data
+    if address is None:
+        address = 0
+    if PyBool_Check(address) or not isinstance(address, int) or not 0 <= address < (1 << 64):
+        _bad_interface(obj, argument, f"'data' pointer is {address!r}; it must be an int in [0, 2**64)")
     byte_strides = interface.get("strides")
     if byte_strides is None:
         strides = _contiguous_strides(shape)
     else:
+        byte_strides = _interface_ints(obj, argument, "strides", byte_strides, True)
+        if len(byte_strides) != len(shape):
+            _bad_interface(obj, argument, f"'strides' {byte_strides} has {len(byte_strides)} entries "
+                                          f"for the {len(shape)} of 'shape' {shape}")
         if any(s % itemsize for s in byte_strides):
             raise _ConfigError(f"{argument}: strides {tuple(byte_strides)} (bytes) are not "
                                f"multiples of the {itemsize}-byte items", argument=argument)
         strides = tuple([s // itemsize for s in byte_strides])
-    cdef uintptr_t ptr = <uintptr_t>data if data else 0
+    cdef uintptr_t ptr = <uintptr_t>address
     cdef int device = _pointer_device(ptr, obj, argument) if ptr else _device_arg(None)
-    producer = interface.get("stream") if interface.get("version", 0) >= 3 else None
+    version = interface.get("version", 0)
+    if PyBool_Check(version) or not isinstance(version, int):
+        _bad_interface(obj, argument, f"'version' is {version!r}, not an int")
+    producer = interface.get("stream") if version >= 3 else None
     if producer is not None and stream != 0:
         if PyBool_Check(producer) or not isinstance(producer, int) or producer <= 0:
             raise _ConfigError(f"{argument}: __cuda_array_interface__ 'stream' is {producer!r}; "
@@ -185,6 +204,20 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
                                argument=argument)
         _context_of(device)._order(<uintptr_t>producer, stream)
     return _cuda_array(ptr, shape, strides, dtype, device, obj, True if read_only else False)
+
+
+cdef int _bad_interface(object obj, str argument, str what) except -1:
+    raise _ConfigError(f"{argument}: {_type_name(obj)}.__cuda_array_interface__ {what}",
+                       argument=argument)
+
+
+cdef tuple _interface_ints(object obj, str argument, str key, object value, bint signed):
+    """A shape (non-negative) or strides (signed) entry of the interface as a tuple of ints."""
+    if not isinstance(value, (tuple, list)) or any(
+            PyBool_Check(n) or not isinstance(n, int) or (not signed and n < 0) for n in value):
+        _bad_interface(obj, argument, f"{key!r} is {value!r}; it must be a tuple of "
+                                      f"{'ints' if signed else 'non-negative ints'}")
+    return tuple([int(n) for n in value])
 
 
 cdef int _pointer_device(uintptr_t ptr, object obj, str argument) except -1:

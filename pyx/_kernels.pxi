@@ -11,7 +11,12 @@ cdef double _probability_arg(object p) except? -1:
     if PyBool_Check(p) or not isinstance(p, (int, float)) and not hasattr(p, "__float__"):
         raise _ConfigError(f"p: got {p!r}; it must be a number in [0, 1], the probability of "
                            f"dropping an element", argument="p")
-    cdef double v = float(p)
+    cdef double v
+    try:
+        v = float(p)
+    except (OverflowError, ValueError, TypeError):
+        raise _ConfigError(f"p: got {p!r}, which is not a finite number; it must be a number in "
+                           f"[0, 1], the probability of dropping an element", argument="p") from None
     if isnan(v) or v < 0.0 or v > 1.0:
         raise _ConfigError(f"p: got {v!r}; it must be in [0, 1], the probability of dropping an "
                            f"element", argument="p")

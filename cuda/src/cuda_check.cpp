@@ -1,10 +1,19 @@
 #include "inferctx/cuda_check.hpp"
 
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <string>
 
 namespace inferctx {
 
 namespace {
+
+// Set in the child of every fork() after this library was loaded; read only on error paths.
+std::atomic<bool> forked_child{false};
+void note_forked_child() { forked_child.store(true, std::memory_order_relaxed); }
+const int fork_handler_registered = pthread_atfork(nullptr, nullptr, note_forked_child);
 
 bool means_no_device(cudaError_t status) {
   return status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver ||
@@ -45,6 +54,37 @@ CurrentDeviceScope::~CurrentDeviceScope() {
   if (switched_ && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
 }
 
+bool is_sticky_error(int code) noexcept {
+  switch (code) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::string process_state_hint(int code) {
+  (void)fork_handler_registered;
+  if (forked_child.load(std::memory_order_relaxed)) {
+    return ". This process was forked from its parent; a child forked after its parent initialised "
+           "CUDA cannot use CUDA: start worker processes fresh (the 'spawn' start method), not by fork";
+  }
+  if (is_sticky_error(code)) {
+    return ". The CUDA context of this process is lost (a kernel faulted): every later CUDA call in "
+           "this process fails the same way; restart the process";
+  }
+  return "";
+}
+
 void throw_cuda_error(cudaError_t status, const char* call, int device) {
   const std::string name = cudaGetErrorName(status);
   const std::string text = cudaGetErrorString(status);
@@ -59,6 +99,7 @@ void throw_cuda_error(cudaError_t status, const char* call, int device) {
   std::string where = device >= 0 ? " on device " + std::to_string(device) : "";
   std::string hint;
   if (status == cudaErrorMemoryAllocation) hint = "; free memory on the device or plan a smaller workspace";
+  hint += process_state_hint(static_cast<int>(status));
   throw CudaError(name + ": " + text + " (in " + call + where + ")" + hint, call, static_cast<int>(status), name,
                   device);
 }
@@ -82,7 +123,9 @@ const char* cublas_status_name(cublasStatus_t status) {
 void throw_cublas_error(cublasStatus_t status, const char* call, int device) {
   const std::string name = cublas_status_name(status);
   std::string where = device >= 0 ? " on device " + std::to_string(device) : "";
-  throw CublasError(name + " (in " + call + where + ")", call, static_cast<int>(status), name, device);
+  // cuBLAS reports a lost context as an execution failure; the runtime knows which it was.
+  const std::string hint = process_state_hint(static_cast<int>(cudaPeekAtLastError()));
+  throw CublasError(name + " (in " + call + where + ")" + hint, call, static_cast<int>(status), name, device);
 }
 
 int device_count() {

@@ -71,7 +71,8 @@ const DriverApi& driver() {
   }
   const std::string where = device >= 0 ? " on device " + std::to_string(device) : "";
   const std::string hint =
-      status == CUDA_ERROR_OUT_OF_MEMORY ? "; free memory on the device or plan a smaller workspace" : "";
+      (status == CUDA_ERROR_OUT_OF_MEMORY ? "; free memory on the device or plan a smaller workspace" : "") +
+      process_state_hint(static_cast<int>(status));
   throw CudaError(std::string(name) + ": " + text + " (in " + call + where + ")" + hint, call,
                   static_cast<int>(status), name, device);
 }

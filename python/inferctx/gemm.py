@@ -384,11 +384,22 @@ def _launch(name, plan, ctx, stream, a_device, b_device, c_device, a_ptr, b_ptr,
     if not fresh and ((a_ptr < c_ptr + span_c and c_ptr < a_ptr + span_a)
                       or (b_ptr < c_ptr + span_c and c_ptr < b_ptr + span_b)):
         _check_no_overlap(name, a_ptr, b_ptr, c_ptr, spans, ITEMSIZE[code])
+    size = ITEMSIZE[code]
+    if a_ptr % size or b_ptr % size or c_ptr % size:
+        _misaligned(name, size, (("a", a_ptr), ("b", b_ptr), ("out", c_ptr)))
     if swap:
         a_ptr, b_ptr = b_ptr, a_ptr
     _core._gemm(ctx, stream, a_ptr, b_ptr, c_ptr, code, ta, tb, m, n, k, batch, lda, ldb, ldc,
                 stride_a, stride_b, stride_c, alpha, beta, tf32)
     return out
+
+
+def _misaligned(name, size, pointers):
+    argument, ptr = next((arg, p) for arg, p in pointers if p % size)
+    raise ConfigError(f"{name}: {argument} starts at {ptr:#x}, which is not a multiple of its "
+                      f"{size}-byte elements; cuBLAS needs element-aligned operands (an array that "
+                      f"starts at a byte offset inside another must start at a whole element)",
+                      argument=argument)
 
 
 def _new_plan(name, key, a, b, out, dtypes):
@@ -631,7 +642,7 @@ def _device_hint(obj, argument, name):
     array interface. ConfigError for host arrays and for objects that are not arrays."""
     dlpack_device = getattr(obj, "__dlpack_device__", None)
     if dlpack_device is not None:
-        kind, device = dlpack_device()
+        kind, device = _core._dlpack_device_of(obj, dlpack_device, argument)
         if kind == _DL_CUDA or kind == _DL_CUDA_MANAGED:
             return int(device)
         if not hasattr(obj, "__cuda_array_interface__"):

@@ -360,11 +360,11 @@ def test_any_machine_autotune_arguments_are_checked_before_the_device(data):
     assert isinstance(out, Raised) and out.exc.argument in wrong, out
 
 
-# -- undocumented exceptions found by the cases above (kept out of their strategies) ----------
+# -- hostile fields that once escaped as KeyError / TypeError / ValueError / OverflowError ---------
 #
-# Each is one exact call that breaks the contract today. They are strict xfails: when the
-# package raises a documented error instead, the test passes unexpectedly and fails the run, to
-# say the case can join the strategies above.
+# Each is one exact call that raised an undocumented exception before the interface's fields,
+# __dlpack_device__'s answer and p were checked; now each is a ConfigError naming the argument
+# (or NoCudaDeviceError where the check needs a device that is not there).
 
 _GOOD = {"shape": (4,), "typestr": "<f4", "data": (8, False), "version": 3}
 
@@ -373,32 +373,33 @@ def _without(key):
     return {k: v for k, v in _GOOD.items() if k != key}
 
 
-KNOWN_BUGS = [
-    ("p=10**400", lambda: inferctx.dropout(object(), 10**400), OverflowError),
-    ("apply_mask p=-10**400", lambda: inferctx.apply_mask(object(), object(), -10**400), OverflowError),
-    ("interface without typestr", lambda: inferctx.dropout(CAI(_without("typestr")), 0.5), KeyError),
-    ("interface without shape", lambda: inferctx.dropout(CAI(_without("shape")), 0.5), KeyError),
-    ("interface without data", lambda: inferctx.dropout(CAI(_without("data")), 0.5), KeyError),
-    ("interface typestr 5", lambda: inferctx.dropout(CAI(dict(_GOOD, typestr=5)), 0.5), TypeError),
-    ("interface shape 'ab'", lambda: inferctx.dropout(CAI(dict(_GOOD, shape="ab")), 0.5), ValueError),
-    ("interface shape None", lambda: inferctx.dropout(CAI(dict(_GOOD, shape=None)), 0.5), TypeError),
-    ("interface data 8", lambda: inferctx.dropout(CAI(dict(_GOOD, data=8)), 0.5), TypeError),
-    ("interface data (8,)", lambda: inferctx.dropout(CAI(dict(_GOOD, data=(8,))), 0.5), ValueError),
-    ("interface pointer -8", lambda: inferctx.dropout(CAI(dict(_GOOD, data=(-8, False))), 0.5), OverflowError),
+# (label, call, what it raises: ConfigError, or BufferError for a DLPack export's arguments)
+HOSTILE_FIELDS = [
+    ("p=10**400", lambda: inferctx.dropout(object(), 10**400), ConfigError),
+    ("apply_mask p=-10**400", lambda: inferctx.apply_mask(object(), object(), -10**400), ConfigError),
+    ("interface without typestr", lambda: inferctx.dropout(CAI(_without("typestr")), 0.5), ConfigError),
+    ("interface without shape", lambda: inferctx.dropout(CAI(_without("shape")), 0.5), ConfigError),
+    ("interface without data", lambda: inferctx.dropout(CAI(_without("data")), 0.5), ConfigError),
+    ("interface typestr 5", lambda: inferctx.dropout(CAI(dict(_GOOD, typestr=5)), 0.5), ConfigError),
+    ("interface shape 'ab'", lambda: inferctx.dropout(CAI(dict(_GOOD, shape="ab")), 0.5), ConfigError),
+    ("interface shape None", lambda: inferctx.dropout(CAI(dict(_GOOD, shape=None)), 0.5), ConfigError),
+    ("interface data 8", lambda: inferctx.dropout(CAI(dict(_GOOD, data=8)), 0.5), ConfigError),
+    ("interface data (8,)", lambda: inferctx.dropout(CAI(dict(_GOOD, data=(8,))), 0.5), ConfigError),
+    ("interface pointer -8", lambda: inferctx.dropout(CAI(dict(_GOOD, data=(-8, False))), 0.5), ConfigError),
     ("interface pointer 2**70", lambda: inferctx.dropout(CAI(dict(_GOOD, data=(2**70, False))), 0.5),
-     OverflowError),
-    ("interface strides ('a',)", lambda: inferctx.dropout(CAI(dict(_GOOD, strides=("a",))), 0.5), TypeError),
-    ("gemm: interface without typestr", lambda: inferctx.gemm(CAI(_without("typestr")), CAI(_GOOD)), KeyError),
-    ("__dlpack_device__ returns None", lambda: inferctx.dropout(_dlpack_device_none(), 0.5), TypeError),
+     ConfigError),
+    ("interface strides ('a',)", lambda: inferctx.dropout(CAI(dict(_GOOD, strides=("a",))), 0.5), ConfigError),
+    ("gemm: interface without typestr", lambda: inferctx.gemm(CAI(_without("typestr")), CAI(_GOOD)), ConfigError),
+    ("__dlpack_device__ returns None", lambda: inferctx.dropout(_dlpack_device_none(), 0.5), ConfigError),
     ("__dlpack_device__ returns (2,)", lambda: inferctx.dropout(DLPackOnly(lambda **k: 5, device=(2,)), 0.5),
-     ValueError),
+     ConfigError),
     ("__dlpack_device__ returns ('a', 0)",
-     lambda: inferctx.dropout(DLPackOnly(lambda **k: 5, device=("a", 0)), 0.5), ValueError),
+     lambda: inferctx.dropout(DLPackOnly(lambda **k: 5, device=("a", 0)), 0.5), ConfigError),
     ("gemm: __dlpack_device__ returns (2,)",
      lambda: inferctx.gemm(DLPackOnly(lambda **k: 5, device=(2,)), DLPackOnly(lambda **k: 5, device=(2,))),
-     ValueError),
+     ConfigError),
     ("PinnedBuffer.__dlpack__(dl_device=('a', 0))",
-     lambda: inferctx.PinnedBuffer(0).__dlpack__(dl_device=("a", 0)), ValueError),
+     lambda: inferctx.PinnedBuffer(0).__dlpack__(dl_device=("a", 0)), BufferError),
 ]
 
 
@@ -408,17 +409,13 @@ def _dlpack_device_none():
     return obj
 
 
-@pytest.mark.parametrize("call, raises", [
-    pytest.param(call, raises, id=label,
-                 marks=pytest.mark.xfail(strict=True, raises=raises,
-                                         reason=f"undocumented {raises.__name__} (issue 16 contract)"))
-    for label, call, raises in KNOWN_BUGS])
-def test_any_machine_known_undocumented_exceptions(call, raises):
-    try:
+@pytest.mark.parametrize("call, expected", [pytest.param(call, raises, id=label)
+                                           for label, call, raises in HOSTILE_FIELDS])
+def test_any_machine_hostile_fields_are_documented_errors(call, expected):
+    with pytest.raises((expected, NoCudaDeviceError)) as info:
         call()
-    except (ConfigError, NoCudaDeviceError):
-        return  # documented: the bug is fixed (the strict xfail then reports it)
-    raise AssertionError("the call returned instead of raising")
+    if isinstance(info.value, ConfigError):
+        assert info.value.argument, info.value  # names the argument (x, a, p, dl_device, ...)
 
 
 # ================================================================================================

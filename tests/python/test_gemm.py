@@ -72,6 +72,12 @@ class FakeCore:
         self.InferenceContext = InferenceContext
         self.keep = []
 
+    @staticmethod
+    def _dlpack_device_of(obj, dlpack_device, argument):
+        """The real check of __dlpack_device__'s answer (host code, needs no device)."""
+        from inferctx import _core
+        return _core._dlpack_device_of(obj, dlpack_device, argument)
+
     def _begin(self, operands, ctx=None, stream=None, first="a"):
         """The call contract's stand-in: the context's stream, host results."""
         core = self

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <new>
+#include <string>
 
 #include "inferctx/errors.hpp"
 
@@ -15,6 +16,15 @@ namespace inferctx {
 [[noreturn]] void throw_cuda_error(cudaError_t status, const char* call, int device);
 [[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* call, int device);
 const char* cublas_status_name(cublasStatus_t status);
+
+// What an error code says about the process beyond the call that failed, to append to a
+// message (empty when nothing): that the CUDA context is lost (a sticky error: an illegal
+// address, a kernel fault; every later CUDA call fails and the process must restart), or that
+// this process was forked after its parent had initialised CUDA. `code` is a cudaError_t or a
+// CUresult (their values agree for these errors).
+std::string process_state_hint(int code);
+// Whether `code` (cudaError_t or CUresult) is a sticky error: the CUDA context is lost.
+bool is_sticky_error(int code) noexcept;
 
 inline void check_cuda(cudaError_t status, const char* call, int device = -1) {
   if (status != cudaSuccess) throw_cuda_error(status, call, device);
