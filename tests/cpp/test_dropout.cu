@@ -265,6 +265,9 @@ Outcome run_forward(int dtype, const std::vector<uint32_t>& x, int mode, float p
   INFERCTX_CUDA(cudaMemset(ybuf.ptr, kYFill, ybuf.size), -1);
   INFERCTX_CUDA(cudaMemset(mbuf.ptr, kMaskFill, mbuf.size), -1);
   upload(xp, to_bytes(dtype, x));
+  // The memsets run on the legacy stream and a pageable upload may return before its DMA lands;
+  // a non-blocking `stream` is not ordered after either.
+  INFERCTX_CUDA(cudaDeviceSynchronize(), -1);
   dropout_forward(xp, yp, mode == kNone ? nullptr : mp, n, dtype, p, mode, seed, offset, stream, -1, max_blocks);
   INFERCTX_CUDA(cudaStreamSynchronize(stream), -1);
   Outcome out;
