@@ -4,6 +4,7 @@ fixture giving the current device's context with that plan in force."""
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 
@@ -51,3 +52,21 @@ def ctx():
     gc.collect()
     context.use_stream(None)
     context.stream.synchronize()
+
+
+def settled_live_sites(ctx, quiet_s=0.3, timeout_s=10.0):
+    """The graph RNG's live call sites once the count has stopped changing: graphs give their sites
+    back asynchronously (user-object destructors run on a CUDA thread)."""
+    from inferctx import _core
+
+    gc.collect()
+    deadline = time.monotonic() + timeout_s
+    last, since = _core.graph_rng_state(ctx)["live_sites"], time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = _core.graph_rng_state(ctx)["live_sites"]
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last

@@ -25,6 +25,7 @@ import pytest
 
 import inferctx
 import philox_reference as ref
+from gpu_context import settled_live_sites
 from inferctx import _core
 from inferctx.errors import ConfigError
 
@@ -223,20 +224,6 @@ def test_set_seed_restarts_a_graph_at_replay_0(torch, ctx):
     np.testing.assert_array_equal(host_words(torch, mk), graph_words(2, site, 0, 0.1, n))
 
 
-def settled_live_sites(ctx, quiet_s=0.3, timeout_s=10.0):
-    """live_sites once it has stopped changing: graphs of earlier tests release their sites
-    asynchronously (user-object destructors run on a CUDA thread)."""
-    gc.collect()
-    deadline = time.monotonic() + timeout_s
-    last, since = _core.graph_rng_state(ctx)["live_sites"], time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
-        now = _core.graph_rng_state(ctx)["live_sites"]
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            break
-    return last
 
 
 def test_a_destroyed_graph_releases_its_site(torch, ctx):

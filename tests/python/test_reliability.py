@@ -38,7 +38,7 @@ import traceback
 
 import numpy as np
 import pytest
-from gpu_context import SHAPE, ctx, plan_small  # noqa: F401 (fixture)
+from gpu_context import SHAPE, ctx, plan_small, settled_live_sites  # noqa: F401 (fixture)
 
 import inferctx
 from inferctx import (ModelShape, TokenLimitError, WorkspaceInUseError, WorkspaceOOMError,
@@ -596,20 +596,6 @@ def live_objects():
     return len(gc.get_objects())
 
 
-def settled_live_sites(ctx, quiet_s=0.3, timeout_s=10.0):
-    """live_sites once it has stopped changing (graphs give their sites back asynchronously:
-    user-object destructors run on a CUDA thread)."""
-    gc.collect()
-    deadline = time.monotonic() + timeout_s
-    last, since = _core.graph_rng_state(ctx)["live_sites"], time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
-        now = _core.graph_rng_state(ctx)["live_sites"]
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            break
-    return last
 
 
 class Soak:
