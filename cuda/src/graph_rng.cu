@@ -65,7 +65,7 @@ class ScopedDeviceMemory {
   }
   ScopedDeviceMemory(const ScopedDeviceMemory&) = delete;
   ScopedDeviceMemory& operator=(const ScopedDeviceMemory&) = delete;
-  void allocate(int device, size_t bytes) { INFERCTX_CUDA(cudaMalloc(&ptr_, bytes), device); }
+  void allocate(int device, size_t bytes) { INFERCTX_CUDA_AT(device_alloc, cudaMalloc(&ptr_, bytes), device); }
   void* get() const noexcept { return ptr_; }
   void* release() noexcept {
     void* p = ptr_;
@@ -194,7 +194,7 @@ void GraphRng::ensure_slot_locked() {
   RelaxedCaptureMode relaxed(device_);
   if (shared_->init_stream == nullptr) {
     cudaStream_t s = nullptr;
-    INFERCTX_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), device_);
+    INFERCTX_CUDA_AT(stream, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), device_);
     std::lock_guard<std::mutex> lock(shared_->mutex);
     shared_->init_stream = s;
   }

@@ -27,7 +27,8 @@ DeviceAllocation::DeviceAllocation(int device, int64_t bytes) : device_(device) 
   if (device < 0) device_ = current_device();
   CurrentDeviceScope on(device_);
   void* ptr = nullptr;
-  const cudaError_t status = cudaMalloc(&ptr, static_cast<size_t>(bytes));
+  const cudaError_t status =
+      fault::invoke<cudaError_t>(fault::Site::device_alloc, [&] { return cudaMalloc(&ptr, static_cast<size_t>(bytes)); });
   if (status != cudaSuccess) {
     // throw_cuda_error also clears the error state, so a failed allocation does not surface
     // later as the error of an unrelated call.
@@ -48,7 +49,8 @@ PinnedAllocation::PinnedAllocation(int64_t bytes) {
   require_byte_count(bytes, "PinnedAllocation");
   if (bytes == 0) return;
   void* ptr = nullptr;
-  const cudaError_t status = cudaHostAlloc(&ptr, static_cast<size_t>(bytes), cudaHostAllocPortable);
+  const cudaError_t status = fault::invoke<cudaError_t>(
+      fault::Site::pinned_alloc, [&] { return cudaHostAlloc(&ptr, static_cast<size_t>(bytes), cudaHostAllocPortable); });
   if (status != cudaSuccess) {
     const std::string call = "cudaHostAlloc(" + std::to_string(bytes) + " bytes, cudaHostAllocPortable)";
     throw_cuda_error(status, call.c_str(), -1);

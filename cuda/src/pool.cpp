@@ -49,13 +49,13 @@ DevicePool::DevicePool(int device) : device_(device) {
   props.handleTypes = cudaMemHandleTypeNone;
   props.location.type = cudaMemLocationTypeDevice;
   props.location.id = device;
-  INFERCTX_CUDA(cudaMemPoolCreate(&pool_, &props), device);
+  INFERCTX_CUDA_AT(device_alloc, cudaMemPoolCreate(&pool_, &props), device);
   // Freed blocks stay in the pool: without this the pool returns them to the device at every
   // synchronisation, and the next allocation reaches the driver again.
   uint64_t threshold = std::numeric_limits<uint64_t>::max();
   try {
     INFERCTX_CUDA(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold), device);
-    INFERCTX_CUDA(cudaStreamCreateWithFlags(&free_stream_, cudaStreamNonBlocking), device);
+    INFERCTX_CUDA_AT(stream, cudaStreamCreateWithFlags(&free_stream_, cudaStreamNonBlocking), device);
   } catch (...) {
     cudaMemPoolDestroy(pool_);
     throw;
@@ -81,7 +81,9 @@ std::shared_ptr<PooledAllocation> DevicePool::allocate(int64_t bytes, cudaStream
   void* ptr = nullptr;
   if (bytes > 0) {
     CurrentDeviceScope on(device_);
-    const cudaError_t status = cudaMallocFromPoolAsync(&ptr, static_cast<size_t>(bytes), pool_, stream);
+    const cudaError_t status = fault::invoke<cudaError_t>(fault::Site::device_alloc, [&] {
+      return cudaMallocFromPoolAsync(&ptr, static_cast<size_t>(bytes), pool_, stream);
+    });
     if (status != cudaSuccess) {
       const std::string call = "cudaMallocFromPoolAsync(" + std::to_string(bytes) + " bytes)";
       throw_cuda_error(status, call.c_str(), device_);
@@ -142,7 +144,7 @@ cudaEvent_t DevicePool::take_event() {
     }
   }
   cudaEvent_t e = nullptr;
-  INFERCTX_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), device_);
+  INFERCTX_CUDA_AT(event, cudaEventCreateWithFlags(&e, cudaEventDisableTiming), device_);
   return e;
 }
 

@@ -84,7 +84,7 @@ Stream Stream::create(int device) {
   if (device < 0) device = current_device();
   CurrentDeviceScope on(device);
   Stream s;
-  INFERCTX_CUDA(cudaStreamCreateWithFlags(&s.handle_, cudaStreamNonBlocking), device);
+  INFERCTX_CUDA_AT(stream, cudaStreamCreateWithFlags(&s.handle_, cudaStreamNonBlocking), device);
   note_created(s.handle_);
   s.device_ = device;
   s.owned_ = true;
@@ -136,7 +136,7 @@ void Stream::synchronize() const {
 
 Event::Event(int device, bool timing) : device_(device < 0 ? current_device() : device), timing_(timing) {
   CurrentDeviceScope on(device_);
-  INFERCTX_CUDA(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming), device_);
+  INFERCTX_CUDA_AT(event, cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming), device_);
 }
 
 Event::~Event() {

@@ -6,6 +6,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "inferctx/cuda_check.hpp"
@@ -68,6 +69,12 @@ CUmemAllocationProp pinned_device_memory(const DriverApi& api, int ordinal) {
 
 int resolve_device(int device) { return device < 0 ? current_device() : device; }
 
+// A virtual-memory driver call, which a test build may fail on purpose (fault::Site::virtual_memory).
+template <class Call>
+CUresult vm_call(Call&& call) {
+  return fault::invoke<CUresult>(fault::Site::virtual_memory, std::forward<Call>(call));
+}
+
 }  // namespace
 
 std::string virtual_memory_unsupported_reason(int device) {
@@ -111,7 +118,9 @@ VirtualAllocation::VirtualAllocation(int device, int64_t capacity)
   granularity_ = virtual_memory_granularity(device_);
   capacity_ = (capacity + granularity_ - 1) / granularity_ * granularity_;
   CUdeviceptr base = 0;
-  check_driver(api.address_reserve(&base, static_cast<size_t>(capacity_), static_cast<size_t>(granularity_), 0, 0),
+  check_driver(vm_call([&] {
+                 return api.address_reserve(&base, static_cast<size_t>(capacity_), static_cast<size_t>(granularity_), 0, 0);
+               }),
                "cuMemAddressReserve(" + bytes_arg(capacity_) + ", alignment " + std::to_string(granularity_) + ")",
                device_);
   base_ = base;
@@ -194,13 +203,13 @@ bool VirtualAllocation::map_range(int64_t from, int64_t to, const void* restore,
       const int64_t n = std::min(chunk, to - offset);
       const CUdeviceptr at = static_cast<CUdeviceptr>(base_ + static_cast<unsigned long long>(offset));
       CUmemGenericAllocationHandle handle = 0;
-      CUresult status = api.create(&handle, static_cast<size_t>(n), &prop, 0);
+      CUresult status = vm_call([&] { return api.create(&handle, static_cast<size_t>(n), &prop, 0); });
       if (status == CUDA_ERROR_OUT_OF_MEMORY) {
         undo();
         return false;
       }
       check_driver(status, "cuMemCreate(" + bytes_arg(n) + ", pinned device memory)", device_);
-      status = api.map(at, static_cast<size_t>(n), 0, handle, 0);
+      status = vm_call([&] { return api.map(at, static_cast<size_t>(n), 0, handle, 0); });
       if (status != CUDA_SUCCESS) {
         api.release(handle);
         if (status == CUDA_ERROR_OUT_OF_MEMORY) {
@@ -210,7 +219,7 @@ bool VirtualAllocation::map_range(int64_t from, int64_t to, const void* restore,
         check_driver(status, "cuMemMap(" + at_arg(at, n) + ")", device_);
       }
       chunks_.push_back({offset, n, handle});
-      status = api.set_access(at, static_cast<size_t>(n), &access, 1);
+      status = vm_call([&] { return api.set_access(at, static_cast<size_t>(n), &access, 1); });
       if (status == CUDA_ERROR_OUT_OF_MEMORY) {
         undo();
         return false;
@@ -264,14 +273,16 @@ bool VirtualAllocation::map_range_parallel(int64_t from, int64_t to) {
       return;
     }
     CUmemGenericAllocationHandle handle = 0;
-    p.status = api.create(&handle, static_cast<size_t>(p.bytes), &prop, 0);
+    p.status = vm_call([&] { return api.create(&handle, static_cast<size_t>(p.bytes), &prop, 0); });
     if (p.status != CUDA_SUCCESS) {
       p.call = "cuMemCreate";
       return;
     }
     p.handle = handle;
-    p.status = api.map(static_cast<CUdeviceptr>(base + static_cast<unsigned long long>(p.offset)),
-                       static_cast<size_t>(p.bytes), 0, handle, 0);
+    p.status = vm_call([&] {
+      return api.map(static_cast<CUdeviceptr>(base + static_cast<unsigned long long>(p.offset)),
+                     static_cast<size_t>(p.bytes), 0, handle, 0);
+    });
     if (p.status != CUDA_SUCCESS) p.call = "cuMemMap";
   };
   std::vector<std::thread> threads;
@@ -299,7 +310,7 @@ bool VirtualAllocation::map_range_parallel(int64_t from, int64_t to) {
                  device_);
   }
   const CUdeviceptr at = static_cast<CUdeviceptr>(base_ + static_cast<unsigned long long>(from));
-  const CUresult status = api.set_access(at, static_cast<size_t>(to - from), &access, 1);
+  const CUresult status = vm_call([&] { return api.set_access(at, static_cast<size_t>(to - from), &access, 1); });
   if (status != CUDA_SUCCESS) {
     release_chunks(first);
     if (status == CUDA_ERROR_OUT_OF_MEMORY) return false;
@@ -346,10 +357,14 @@ void VirtualAllocation::unmap(void* save, cudaStream_t stream) {
       }
     }
     const CUdeviceptr at = static_cast<CUdeviceptr>(base_ + c.offset);
-    const CUresult unmapped = api.unmap(at, static_cast<size_t>(c.bytes));
+    const CUresult unmapped = vm_call([&] { return api.unmap(at, static_cast<size_t>(c.bytes)); });
     // A handle may be released while still mapped: its memory then goes with the mapping.
-    const CUresult released = api.release(c.handle);
+    const CUresult released = vm_call([&] { return api.release(c.handle); });
     if (unmapped != CUDA_SUCCESS || released != CUDA_SUCCESS) {
+      // This chunk goes too, best effort: what failed is tried once more (a mapping left behind
+      // would keep its memory and block the range for the next map).
+      if (unmapped != CUDA_SUCCESS) api.unmap(at, static_cast<size_t>(c.bytes));
+      if (released != CUDA_SUCCESS) api.release(c.handle);
       give_up_from(i + 1);
       check_driver(unmapped, "cuMemUnmap(" + at_arg(at, c.bytes) + ")", device_);
       check_driver(released, "cuMemRelease(" + bytes_arg(c.bytes) + ")", device_);

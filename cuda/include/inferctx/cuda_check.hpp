@@ -9,6 +9,7 @@
 #include <string>
 
 #include "inferctx/errors.hpp"
+#include "inferctx/fault.hpp"
 
 namespace inferctx {
 
@@ -31,6 +32,11 @@ inline void check_cuda(cudaError_t status, const char* call, int device = -1) {
 }
 
 inline void check_cublas(cublasStatus_t status, const char* call, int device = -1) {
+  // A test build may turn a call's success into the armed failure (the call has run; what it
+  // made is undone by its owner's failure path, as for a real failure reported late).
+  if (const int code = fault::injected(fault::Site::cublas); code != 0 && status == CUBLAS_STATUS_SUCCESS) {
+    status = static_cast<cublasStatus_t>(code);
+  }
   if (status != CUBLAS_STATUS_SUCCESS) throw_cublas_error(status, call, device);
 }
 
@@ -69,4 +75,10 @@ MemoryInfo memory_info(int device);
 }  // namespace inferctx
 
 #define INFERCTX_CUDA(call, device) ::inferctx::check_cuda((call), #call, (device))
+// INFERCTX_CUDA for a call at a failure-injection site (fault::Site::<site>): in a test build the
+// armed call fails with the armed code without running.
+#define INFERCTX_CUDA_AT(site, call, device)                                                             \
+  ::inferctx::check_cuda(                                                                              \
+      ::inferctx::fault::invoke<cudaError_t>(::inferctx::fault::Site::site, [&] { return (call); }), #call, \
+      (device))
 #define INFERCTX_CUBLAS(call, device) ::inferctx::check_cublas((call), #call, (device))
