@@ -339,6 +339,10 @@ void VirtualAllocation::unmap(void* save, cudaStream_t stream) {
   // From here on the memory is going, whatever fails: views refuse new exports.
   mapped_.store(false, std::memory_order_release);
   const DriverApi& api = driver_with_vmm();
+  if (save == nullptr && chunks_.size() > 1 && bytes_ >= kParallelBytes) {
+    unmap_parallel();
+    return;
+  }
   // After a failure at chunk `next`: the copies may still run into host memory that the caller
   // frees once this throws, so they finish first; then the rest goes, best effort.
   auto give_up_from = [&](size_t next) {
@@ -371,6 +375,65 @@ void VirtualAllocation::unmap(void* save, cudaStream_t stream) {
     }
   }
   chunks_.clear();
+}
+
+void VirtualAllocation::unmap_parallel() {
+  const DriverApi& api = driver_with_vmm();
+  struct Outcome {
+    cudaError_t runtime = cudaSuccess;  // cudaSetDevice's, in the chunk's thread
+    CUresult unmapped = CUDA_SUCCESS;
+    CUresult released = CUDA_SUCCESS;
+  };
+  std::vector<Outcome> outcomes(chunks_.size());
+  const int device = device_;
+  const unsigned long long base = base_;
+  const std::vector<Chunk>& chunks = chunks_;
+  // Thread t takes chunks t, t + threads, ...; each chunk is unmapped, then its handle released.
+  const size_t threads_wanted = std::min(chunks_.size(), static_cast<size_t>(kMapThreads));
+  auto run = [&api, &outcomes, &chunks, device, base, threads_wanted](size_t t) {
+    const cudaError_t bound = cudaSetDevice(device);  // a thread of its own starts with no current context
+    for (size_t i = t; i < chunks.size(); i += threads_wanted) {
+      Outcome& o = outcomes[i];
+      o.runtime = bound;
+      if (bound != cudaSuccess) continue;
+      o.unmapped = api.unmap(static_cast<CUdeviceptr>(base + chunks[i].offset), static_cast<size_t>(chunks[i].bytes));
+      o.released = api.release(chunks[i].handle);
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(threads_wanted);
+  size_t started = 1;  // the calling thread takes the first share
+  try {
+    for (; started < threads_wanted; ++started) threads.emplace_back(run, started);
+  } catch (...) {
+    // No thread to be had: the shares left run on this one.
+  }
+  run(0);
+  for (size_t t = started; t < threads_wanted; ++t) run(t);
+  for (std::thread& t : threads) t.join();
+  INFERCTX_CUDA(cudaSetDevice(device_), device_);  // the calling thread's context, as it was
+  // What failed is tried once more on this thread, so that no chunk keeps its memory or blocks the
+  // range for the next map; then the first failure is reported.
+  const Outcome* failed = nullptr;
+  size_t failed_at = 0;
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    const Outcome& o = outcomes[i];
+    const CUdeviceptr at = static_cast<CUdeviceptr>(base_ + chunks_[i].offset);
+    if (o.runtime != cudaSuccess || o.unmapped != CUDA_SUCCESS) api.unmap(at, static_cast<size_t>(chunks_[i].bytes));
+    if (o.runtime != cudaSuccess || o.released != CUDA_SUCCESS) api.release(chunks_[i].handle);
+    if (failed == nullptr && (o.runtime != cudaSuccess || o.unmapped != CUDA_SUCCESS || o.released != CUDA_SUCCESS)) {
+      failed = &o;
+      failed_at = i;
+    }
+  }
+  const std::vector<Chunk> gone = std::move(chunks_);
+  chunks_.clear();
+  if (failed != nullptr) {
+    const Chunk& c = gone[failed_at];
+    if (failed->runtime != cudaSuccess) throw_cuda_error(failed->runtime, "cudaSetDevice", device_);
+    check_driver(failed->unmapped, "cuMemUnmap(" + at_arg(base_ + c.offset, c.bytes) + ")", device_);
+    check_driver(failed->released, "cuMemRelease(" + bytes_arg(c.bytes) + ")", device_);
+  }
 }
 
 void VirtualAllocation::release_chunks(size_t first) noexcept {

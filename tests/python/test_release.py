@@ -421,7 +421,9 @@ def test_a_workspace_past_8_gib_is_mapped_in_parallel_parts_and_a_failed_retake_
     t.fill_(0x5A)  # every byte of every part is mapped and writable
     assert bool((t == 0x5A).all())
     address = t.data_ptr()
-    ctx.release_workspace()
+    before = free_bytes(ctx)
+    ctx.release_workspace()  # the parts unmapped and released by as many threads
+    assert free_bytes(ctx) - before >= held - SLACK and ctx.held_bytes == 0
     ctx.retake_workspace()  # parts again, at the same addresses
     t.fill_(0x33)
     assert bool((t[-MIB:] == 0x33).all()) and t.data_ptr() == address

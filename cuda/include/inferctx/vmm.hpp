@@ -38,7 +38,8 @@ int64_t virtual_memory_granularity(int device);
 // driver's work per handle grows with its size and runs concurrently: on an H200, 104 GiB took
 // 265 ms in 4 threads against 303 ms as one handle and 302 ms for cudaMalloc), or chunks of at
 // most kChunkBytes when contents are copied in, so that the copy of one chunk runs while the next
-// is being mapped. A grow adds chunks without touching those mapped before.
+// is being mapped. A grow adds chunks without touching those mapped before. An unmap of such a
+// mapping without contents to save releases its chunks in as many threads.
 class VirtualAllocation final : public DeviceAllocation {
  public:
   static constexpr int64_t kChunkBytes = int64_t{2} << 30;
@@ -91,6 +92,10 @@ class VirtualAllocation final : public DeviceAllocation {
   // map_range without contents for a range of at least kParallelBytes: kMapThreads chunks
   // created and mapped concurrently (the calling thread takes one), then one cuMemSetAccess.
   bool map_range_parallel(int64_t from, int64_t to);
+  // unmap() without contents to save, of a mapping of at least kParallelBytes in several chunks:
+  // the chunks unmapped and released by up to kMapThreads threads (the calling thread takes a
+  // share), as they were mapped; a failed call is tried once more, then reported.
+  void unmap_parallel();
   // Unmaps and releases chunks_[first..] and forgets them; best effort, for failure paths and the
   // destructor.
   void release_chunks(size_t first) noexcept;
