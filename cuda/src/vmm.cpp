@@ -396,8 +396,9 @@ void VirtualAllocation::unmap_parallel() {
       Outcome& o = outcomes[i];
       o.runtime = bound;
       if (bound != cudaSuccess) continue;
-      o.unmapped = api.unmap(static_cast<CUdeviceptr>(base + chunks[i].offset), static_cast<size_t>(chunks[i].bytes));
-      o.released = api.release(chunks[i].handle);
+      o.unmapped = vm_call(
+          [&] { return api.unmap(static_cast<CUdeviceptr>(base + chunks[i].offset), static_cast<size_t>(chunks[i].bytes)); });
+      o.released = vm_call([&] { return api.release(chunks[i].handle); });
     }
   };
   std::vector<std::thread> threads;
