@@ -72,8 +72,7 @@ cdef int _dtype_index(object dtype, str argument) except -1:
         return index
     if isinstance(dtype, str):
         name = dtype
-    else:  # a NumPy, torch, JAX or ml_dtypes dtype: the planner's coercion names it
-        from inferctx.dtypes import _name_of
+    else:  # a NumPy, torch, JAX or ml_dtypes dtype (_dtypes.pxi)
         name = _name_of(dtype)
     if isinstance(name, str):
         index = _DTYPE_BY_NAME.get(name.strip().lower())

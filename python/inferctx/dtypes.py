@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._plan import _name_of
 from .errors import ConfigError, _brief
 
 # Codes of inferctx::DType (cuda/include/inferctx/plan.hpp).
@@ -17,25 +18,6 @@ _ALIASES = {
 }
 
 VALID = "'float32' ('fp32'), 'float16' ('fp16', 'half') or 'bfloat16' ('bf16')"
-
-
-def _name_of(dtype: object) -> str | None:
-    if isinstance(dtype, str):
-        return dtype
-    module = type(dtype).__module__ or ""
-    if module.startswith("torch"):  # torch.float16 prints as 'torch.float16'
-        return str(dtype).rpartition(".")[2]
-    name = getattr(dtype, "name", None)  # numpy.dtype, ml_dtypes
-    if isinstance(name, str):
-        return name
-    if isinstance(dtype, type):  # numpy scalar types such as numpy.float16
-        try:
-            import numpy as np
-
-            return np.dtype(dtype).name
-        except TypeError:
-            return None
-    return None
 
 
 def dtype_code(dtype: object, argument: str = "dtype") -> int:
