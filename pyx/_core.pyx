@@ -4,7 +4,7 @@
 from inferctx import errors as _errors
 
 include "_errors.pxi"
-include "_dtypes.pxi"
+include "_coerce.pxi"
 include "_planner.pxi"
 include "_dlpack.pxi"
 include "_args.pxi"

@@ -21,6 +21,14 @@ cdef extern from "inferctx/errors.hpp" namespace "inferctx" nogil:
 
 
 cdef extern from "inferctx/plan.hpp" namespace "inferctx" nogil:
+    cdef enum class DType(int):
+        Float32
+        Float16
+        BFloat16
+
+    int64_t dtype_size(int dtype) except +raise_inferctx_error
+    string human_bytes(int64_t bytes) except +raise_inferctx_error
+
     cdef cppclass ModelShape:
         int64_t num_layers
         int64_t num_heads

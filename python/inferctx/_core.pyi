@@ -7,6 +7,14 @@ from typing import Any, Literal, Self
 from .planning import WorkspacePlan
 
 def _name_of(dtype: object) -> str | None: ...
+def _as_bool(value: object, argument: str) -> bool: ...
+def _human_bytes(n: int) -> str: ...
+
+DTYPE_FLOAT32: int
+DTYPE_FLOAT16: int
+DTYPE_BFLOAT16: int
+DTYPE_ITEMSIZE: dict[int, int]
+
 
 # -- planner (pyx/_planner.pxi) -------------------------------------------------------------
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from . import _plan
 from ._plan import _name_of
 from .errors import ConfigError, _brief
 
-# Codes of inferctx::DType (cuda/include/inferctx/plan.hpp).
-FLOAT32, FLOAT16, BFLOAT16 = 0, 1, 2
+# Codes and sizes of inferctx::DType (cuda/include/inferctx/plan.hpp), through the planner.
+FLOAT32, FLOAT16, BFLOAT16 = _plan.DTYPE_FLOAT32, _plan.DTYPE_FLOAT16, _plan.DTYPE_BFLOAT16
 
 NAMES = {FLOAT32: "float32", FLOAT16: "float16", BFLOAT16: "bfloat16"}
-ITEMSIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2}
+ITEMSIZE = dict(_plan.DTYPE_ITEMSIZE)
 
 _ALIASES = {
     "float32": FLOAT32, "fp32": FLOAT32, "f32": FLOAT32, "float": FLOAT32, "single": FLOAT32,
