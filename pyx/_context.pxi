@@ -126,6 +126,7 @@ cdef class _PlanMade:
     """A plan the C++ context made and put in force, with its request and result as dicts."""
 
     cdef WorkspacePlan plan
+    cdef tuple args  # the arguments of the request it was made from (the context's _last_args)
     cdef readonly dict request
     cdef readonly dict result
 
@@ -214,6 +215,7 @@ cdef class InferenceContext:
             return old  # the plan is a function of the request and the memory figures
         cdef _PlanMade made = _PlanMade.__new__(_PlanMade)
         made.plan = p
+        made.args = self._last_args
         made.request = _fields_of(p.request)
         made.result = plan_to_dict(p)
         return made
@@ -224,7 +226,7 @@ cdef class InferenceContext:
         Returns whether it differs from the plan last logged (arguments, tokens or bytes).
         """
         self._set_layout(made.plan, plan)
-        self._plan_args = self._last_args
+        self._plan_args = made.args
         logged = (args, made.plan.max_tokens, made.plan.workspace_bytes)
         if self._logged is None or not _same_arguments(logged, self._logged):
             self._logged = logged

@@ -88,9 +88,12 @@ class _ThenContext:
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        import importlib
+        # Already in sys.modules when inferctx.context is what imports inferctx._core (in this
+        # thread or another): it registers its class once its own import is done.
+        if _CONTEXT not in sys.modules:
+            import importlib
 
-        importlib.import_module(_CONTEXT)
+            importlib.import_module(_CONTEXT)
 
 
 def install_hook() -> None:
