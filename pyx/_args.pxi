@@ -72,14 +72,6 @@ cdef uint64_t _uint64_arg_slow(object value, str argument) except? 0:
     return <uint64_t>value
 
 
-cdef bint _bool_arg(object value, str argument) except -1:
-    if value is True:
-        return True
-    if value is False:
-        return False
-    raise _ConfigError(f"{argument}: got {value!r}; it must be True or False", argument=argument)
-
-
 cdef int _device_arg(object device) except -1:
     """A device ordinal: the calling thread's current device for None, else a checked int."""
     cdef int d

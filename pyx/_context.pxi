@@ -2,6 +2,18 @@
 
 # device ordinal -> its InferenceContext; contexts live as long as the process, as in C++.
 cdef dict _contexts = {}
+# The class every context is made as: the public subclass once it has registered itself
+# through _set_context_class (python/inferctx/context.py), which adds what needs the Python
+# layer (argument coercion, WorkspacePlan, logging).
+cdef type _context_class = None
+
+
+def _set_context_class(cls):
+    """Makes every context from now on an instance of `cls`, a subclass of InferenceContext."""
+    global _context_class
+    if not (isinstance(cls, type) and issubclass(cls, InferenceContext)):
+        raise TypeError(f"{cls!r} is not a subclass of inferctx._core.InferenceContext")
+    _context_class = cls
 
 
 cdef InferenceContext _context_of(object device):
@@ -36,7 +48,8 @@ cdef InferenceContext _create_context(int device):
     found = _contexts.get(d)
     if found is not None:
         return <InferenceContext>found
-    cdef InferenceContext ctx = InferenceContext.__new__(InferenceContext)
+    cls = InferenceContext if _context_class is None else _context_class
+    cdef InferenceContext ctx = cls.__new__(cls)
     ctx._owner = owner
     ctx._c = owner.get()
     ctx.device = d
@@ -49,9 +62,9 @@ cdef InferenceContext _create_context(int device):
         pool.get().note_durable(ctx._c.comm_stream())
     # Another thread may have made one meanwhile: every caller gets the same object.
     stored = _contexts.setdefault(d, ctx)
-    if stored is ctx and not ctx._c.addresses_stable():
-        from inferctx import context
-        context._log_workspace_fallback(d, ctx._c.fallback_reason().decode("utf-8", "replace"))
+    if stored is ctx:
+        ctx._created(None if ctx._c.addresses_stable()
+                     else ctx._c.fallback_reason().decode("utf-8", "replace"))
     return <InferenceContext>stored
 
 
@@ -109,6 +122,18 @@ cdef dict _fields_of(const PlanRequest& r):
     }
 
 
+cdef class _PlanMade:
+    """A plan the C++ context made and put in force, with its request and result as dicts."""
+
+    cdef WorkspacePlan plan
+    cdef tuple args  # the arguments of the request it was made from (the context's _last_args)
+    cdef readonly dict request
+    cdef readonly dict result
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("_PlanMade objects are made by InferenceContext._gen_workspace")
+
+
 cdef class InferenceContext:
     """The GPU resources of one device for transformer inference (DeepSpeed's InferenceContext).
 
@@ -159,35 +184,24 @@ cdef class InferenceContext:
         return _context_of(device)
 
     # -- the workspace -------------------------------------------------------------------------
-    def gen_workspace(self, shape, *, batch_size, prompt_len, max_out_tokens, min_out_tokens=1,
-                      dtype="float16", mp_size=1, rank=0, external_cache=False, policy="exact",
-                      reserve_bytes=None, memory_limit_bytes=None, memory_fraction=None):
-        """Plans the workspace against the device's free memory (read now) and allocates it.
+    def _created(self, fallback_reason):
+        """Called once, on the context stored for its device; `fallback_reason` says why the
+        workspace is a cudaMalloc allocation (None when it is CUDA virtual memory)."""
 
-        Takes ``plan_workspace``'s arguments except the memory figures, which it measures.
-        When ``addresses_stable``, memory the workspace holds counts as free, the workspace is
-        kept when large enough and otherwise grown in place (same address: views stay valid),
-        and the exact policy's bytes are whole multiples of ``allocation_granularity``. Under the
-        cudaMalloc fallback, memory the workspace holds counts as free when no view of it is
-        alive, and a larger plan gets a new allocation (made before the old is freed). On any
-        failure the previous plan stays in force with its workspace. Logs the plan (logger
-        "inferctx", INFO, rank 0 only) when it changes.
+    def _gen_workspace(self, tuple args, fields):
+        """gen_workspace's compiled part: plans against the free memory read now and allocates.
 
-        Returns
-        -------
-        WorkspacePlan
+        `args` are gen_workspace's arguments in order and `fields` the request coerced from
+        them (the dict make_request takes), or None to plan the last request again, which is
+        done only when `args` are its arguments (equal values of equal types): else nothing is
+        done and None returned, for the caller to coerce `args`. Returns the plan in force when
+        it stands (the same request and memory figures), else a _PlanMade for ``_adopt_plan``.
         """
-        args = (shape, batch_size, prompt_len, max_out_tokens, min_out_tokens, dtype, mp_size,
-                rank, external_cache, policy, reserve_bytes, memory_limit_bytes, memory_fraction)
-        cdef bint same = self._last_args is not None and _same_arguments(args, self._last_args)
-        if not same:
-            from inferctx import planning
-            fields = planning._request_fields(
-                shape, batch_size=batch_size, prompt_len=prompt_len, max_out_tokens=max_out_tokens,
-                min_out_tokens=min_out_tokens, dtype=dtype, mp_size=mp_size, rank=rank,
-                external_cache=external_cache, policy=policy, free_bytes=0, total_bytes=1,
-                reserve_bytes=reserve_bytes, memory_limit_bytes=memory_limit_bytes,
-                memory_fraction=memory_fraction)
+        cdef bint same = fields is None
+        if same:
+            if self._last_args is None or not _same_arguments(args, self._last_args):
+                return None
+        else:
             self._last_request = make_request(fields)
             self._last_args = args
         cdef PlanRequest request = self._last_request
@@ -199,18 +213,25 @@ cdef class InferenceContext:
         if (same and self._plan_args is self._last_args and p.request.free_bytes == old.free_bytes
                 and p.request.total_bytes == old.total_bytes):
             return old  # the plan is a function of the request and the memory figures
-        from inferctx import context, planning
-        # Free memory is read now, with the weights already loaded: none are subtracted again.
-        plan = planning.WorkspacePlan._from_result(
-            _fields_of(p.request), plan_to_dict(p),
-            {"memory": f"cuda:{self.device}, read now by gen_workspace", "weights": "none"})
-        self._set_layout(p, plan)
-        self._plan_args = self._last_args
-        logged = (args, p.max_tokens, p.workspace_bytes)
+        cdef _PlanMade made = _PlanMade.__new__(_PlanMade)
+        made.plan = p
+        made.args = self._last_args
+        made.request = _fields_of(p.request)
+        made.result = plan_to_dict(p)
+        return made
+
+    def _adopt_plan(self, plan, _PlanMade made not None, tuple args):
+        """Puts `plan` (the WorkspacePlan of `made`) in force for the view accessors.
+
+        Returns whether it differs from the plan last logged (arguments, tokens or bytes).
+        """
+        self._set_layout(made.plan, plan)
+        self._plan_args = made.args
+        logged = (args, made.plan.max_tokens, made.plan.workspace_bytes)
         if self._logged is None or not _same_arguments(logged, self._logged):
             self._logged = logged
-            context._log_plan(plan, self.device)
-        return plan
+            return True
+        return False
 
     cdef int _set_layout(self, const WorkspacePlan& p, object plan) except -1:
         self._plan = plan

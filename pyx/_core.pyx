@@ -4,6 +4,7 @@
 from inferctx import errors as _errors
 
 include "_errors.pxi"
+include "_coerce.pxi"
 include "_planner.pxi"
 include "_dlpack.pxi"
 include "_args.pxi"

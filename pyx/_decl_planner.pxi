@@ -5,17 +5,30 @@ cdef extern from "inferctx/errors.hpp" namespace "inferctx" nogil:
     cdef cppclass ErrorInfo:
         int kind
         string message
+        int remedy
+        int remedy_device
         string argument
+        int64_t requested_bytes, free_bytes, total_bytes, budget_bytes
+        int64_t max_batch_size, max_out_tokens
+        int64_t current, requested, limit
+        int64_t views_alive
         string call
         string code_name
         int code
         int device
-        int64_t values[6]
 
     ErrorInfo current_error_info()
 
 
 cdef extern from "inferctx/plan.hpp" namespace "inferctx" nogil:
+    cdef enum class DType(int):
+        Float32
+        Float16
+        BFloat16
+
+    int64_t dtype_size(int dtype) except +raise_inferctx_error
+    string human_bytes(int64_t bytes) except +raise_inferctx_error
+
     cdef cppclass ModelShape:
         int64_t num_layers
         int64_t num_heads

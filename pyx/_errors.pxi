@@ -14,7 +14,9 @@ cdef dict _KIND_TO_CLASS = {
 
 
 cdef int raise_inferctx_error() except -1:
-    """Handler for `except +raise_inferctx_error`: raises the Python twin of the C++ error."""
+    """Handler for `except +raise_inferctx_error`: raises the Python twin of the C++ error.
+
+    The Python class words the error's remedy (InferCtxError._from_core)."""
     cdef ErrorInfo info = current_error_info()
     message = info.message.decode("utf-8", "replace")
     if info.kind == -1:
@@ -22,20 +24,22 @@ cdef int raise_inferctx_error() except -1:
     cls = _KIND_TO_CLASS.get(info.kind)
     if cls is None:
         raise _errors.InferCtxError(f"internal error: {message}")
+    remedy = (info.remedy, None if info.remedy_device < 0 else info.remedy_device)
     if info.kind == 1:
-        raise cls(message, argument=info.argument.decode())
+        raise cls._from_core(message, *remedy, argument=info.argument.decode())
     if info.kind == 2:
-        raise cls(message, requested_bytes=info.values[0], free_bytes=info.values[1],
-                  total_bytes=info.values[2], budget_bytes=info.values[3],
-                  max_batch_size=None if info.values[4] < 0 else info.values[4],
-                  max_out_tokens=None if info.values[5] < 0 else info.values[5])
+        raise cls._from_core(message, *remedy, requested_bytes=info.requested_bytes,
+                             free_bytes=info.free_bytes, total_bytes=info.total_bytes,
+                             budget_bytes=info.budget_bytes,
+                             max_batch_size=None if info.max_batch_size < 0 else info.max_batch_size,
+                             max_out_tokens=None if info.max_out_tokens < 0 else info.max_out_tokens)
     if info.kind == 3:
-        raise cls(message, current=info.values[0], requested=info.values[1], limit=info.values[2])
+        raise cls._from_core(message, *remedy, current=info.current, requested=info.requested,
+                             limit=info.limit)
     if info.kind == 5:
-        raise cls(message, views_alive=info.values[0])
+        raise cls._from_core(message, *remedy, views_alive=info.views_alive)
     if info.kind in (6, 7, 8):
-        raise cls(message, call=info.call.decode(), code=info.code,
-                  name=info.code_name.decode(), device=None if info.device < 0 else info.device)
-    raise cls(message)
-
-
+        raise cls._from_core(message, *remedy, call=info.call.decode(), code=info.code,
+                             name=info.code_name.decode(),
+                             device=None if info.device < 0 else info.device)
+    raise cls._from_core(message, *remedy)

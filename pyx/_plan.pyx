@@ -8,4 +8,5 @@ needs cuBLAS) is loaded on first GPU use.
 from inferctx import errors as _errors
 
 include "_errors.pxi"
+include "_coerce.pxi"
 include "_planner_api.pxi"

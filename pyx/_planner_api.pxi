@@ -137,3 +137,16 @@ def _region(dict result, int64_t num_layers, int64_t index):
     cdef WorkspacePlan p = layout_of(result, num_layers)
     cdef Region g = region_at(p, index)
     return g.name.decode(), g.offset, g.size
+
+
+def _human_bytes(int64_t n):
+    """1536 -> '1.50 KiB': the one byte formatter (binary units, two decimals)."""
+    return human_bytes(n).decode()
+
+
+# The planner's dtypes (inferctx::DType): their codes and sizes, read from the C++ enum and
+# dtype_size. python/inferctx/dtypes.py and the DeviceView dtype table take them from here.
+DTYPE_FLOAT32 = <int>DType.Float32
+DTYPE_FLOAT16 = <int>DType.Float16
+DTYPE_BFLOAT16 = <int>DType.BFloat16
+DTYPE_ITEMSIZE = {code: dtype_size(code) for code in (DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16)}

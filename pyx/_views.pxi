@@ -6,11 +6,11 @@ from libc.string cimport memcpy
 
 
 cdef enum:
-    # Indices into the dtype table below. The first three equal inferctx::DType's codes, so a
-    # plan's dtype is also the index of its views' dtype.
-    DT_FLOAT32 = 0
-    DT_FLOAT16 = 1
-    DT_BFLOAT16 = 2
+    # Indices into the dtype table below. The first three are inferctx::DType's codes (0, 1,
+    # 2), so a plan's dtype is also the index of its views' dtype.
+    DT_FLOAT32 = <int>DType.Float32
+    DT_FLOAT16 = <int>DType.Float16
+    DT_BFLOAT16 = <int>DType.BFloat16
     DT_FLOAT64 = 3
     DT_INT8 = 4
     DT_INT16 = 5
@@ -72,8 +72,7 @@ cdef int _dtype_index(object dtype, str argument) except -1:
         return index
     if isinstance(dtype, str):
         name = dtype
-    else:  # a NumPy, torch, JAX or ml_dtypes dtype: the planner's coercion names it
-        from inferctx.dtypes import _name_of
+    else:  # a NumPy, torch, JAX or ml_dtypes dtype (_coerce.pxi)
         name = _name_of(dtype)
     if isinstance(name, str):
         index = _DTYPE_BY_NAME.get(name.strip().lower())

@@ -232,6 +232,7 @@ WorkspacePlan InferenceContext::gen_workspace_malloc(const PlanRequest& measured
     }
     if (!fresh) {
       std::string state;
+      Remedy remedy = Remedy::None;
       if (!has_plan_) {
         state = "no workspace was planned before";
       } else if (freed_old && restored) {
@@ -244,13 +245,13 @@ WorkspacePlan InferenceContext::gen_workspace_malloc(const PlanRequest& measured
                 "retake_workspace once memory is free";
       } else if (workspace_) {
         state = "the previous plan (" + describe_plan(plan_) + ") and its workspace stay in force; it could not " +
-                "be freed to make room because " + std::to_string(views) +
-                " view(s) of it are alive (drop them, or release_workspace(force=True), and retry)";
+                "be freed to make room because " + std::to_string(views) + " view(s) of it are alive";
+        remedy = Remedy::DropViewsOrForceRelease;
       } else {
         state = "the previous plan (" + describe_plan(plan_) + ") stays in force, its workspace still released" +
                 (contents_kept_ ? " with its contents in host memory" : "");
       }
-      throw WorkspaceOOMError(
+      throw with_remedy(WorkspaceOOMError(
           "gen_workspace: cudaMalloc of " + human_bytes(next.workspace_bytes) + " for the planned workspace (" +
               std::to_string(next.max_tokens) + " tokens) failed on device " + std::to_string(device_) +
               " although it was within the budget of " + human_bytes(next.budget_bytes) + " (" + next.budget_limit +
@@ -258,7 +259,7 @@ WorkspacePlan InferenceContext::gen_workspace_malloc(const PlanRequest& measured
               "): other allocations took memory meanwhile, or it is fragmented; " + state +
               ". Ask for less: a larger reserve_bytes, a lower memory_fraction (of free memory) or "
               "memory_limit_bytes, or a smaller batch_size / max_out_tokens",
-          next.workspace_bytes, measured.free_bytes, measured.total_bytes, next.budget_bytes, -1, -1);
+          next.workspace_bytes, measured.free_bytes, measured.total_bytes, next.budget_bytes, -1, -1), remedy);
     }
     // With views alive the old allocation is detached here and lives on in them.
     workspace_ = std::move(fresh);
@@ -330,13 +331,12 @@ void InferenceContext::release_workspace(bool force, bool keep_contents) {
   if (!vmm_) {
     const int64_t views = views_alive_locked();
     if (views > 0 && !force) {
-      throw WorkspaceInUseError("release_workspace: " + std::to_string(views) +
-                                    " view(s) of the workspace are still alive (views, DLPack capsules or arrays "
-                                    "made from them) and this device keeps no addresses across a release (" +
-                                    fallback_reason_ +
-                                    "); drop them first, or pass force=True to detach the workspace: its memory "
-                                    "is then freed when the last view dies",
-                                views);
+      throw with_remedy(WorkspaceInUseError("release_workspace: " + std::to_string(views) +
+                                                " view(s) of the workspace are still alive (views, DLPack capsules "
+                                                "or arrays made from them) and this device keeps no addresses "
+                                                "across a release (" + fallback_reason_ + ")",
+                                            views),
+                        Remedy::DropViewsOrDetach);
     }
   }
   // Any stream may still be using the workspace (the caller's, a side stream, a graph replay):
@@ -403,16 +403,15 @@ void InferenceContext::retake_locked(const char* where) {
   if (!ok) {
     size_t free_now = 0, total = 0;
     INFERCTX_CUDA(cudaMemGetInfo(&free_now, &total), device_);
-    throw WorkspaceOOMError(
+    throw with_remedy(WorkspaceOOMError(
         std::string(where) + ": " + (vmm_ ? "mapping " : "cudaMalloc of ") + human_bytes(bytes) +
             " of device memory for the workspace (" + describe_plan(plan_) + ") failed on device " +
             std::to_string(device_) + ": out of memory, " + human_bytes(static_cast<int64_t>(free_now)) +
             " free of " + human_bytes(static_cast<int64_t>(total)) +
             ". The context stays released with its plan" +
-            (contents_kept_ ? " and the workspace's contents in host memory" : "") +
-            "; free device memory (for torch: drop tensors, then torch.cuda.empty_cache()) and call "
-            "retake_workspace again",
-        bytes, static_cast<int64_t>(free_now), static_cast<int64_t>(total), plan_.budget_bytes, -1, -1);
+            (contents_kept_ ? " and the workspace's contents in host memory" : ""),
+        bytes, static_cast<int64_t>(free_now), static_cast<int64_t>(total), plan_.budget_bytes, -1, -1),
+        Remedy::FreeMemoryThenRetake);
   }
   released_ = false;
   contents_kept_ = false;
@@ -470,10 +469,11 @@ void InferenceContext::use_stream(cudaStream_t external) {
     int stream_device = -1;
     INFERCTX_CUDA(cudaStreamGetDevice(external, &stream_device), device_);
     if (stream_device != device_) {
-      throw ConfigError("stream", "stream: use_stream got a stream of device " + std::to_string(stream_device) +
-                                      " for the context of device " + std::to_string(device_) +
-                                      "; use InferenceContext.instance(" + std::to_string(stream_device) +
-                                      ") for that stream, or a stream created on device " + std::to_string(device_));
+      throw with_remedy(ConfigError("stream", "stream: use_stream got a stream of device " +
+                                                  std::to_string(stream_device) + " for the context of device " +
+                                                  std::to_string(device_) + "; use a stream created on device " +
+                                                  std::to_string(device_)),
+                        Remedy::ContextOfDevice, stream_device);
     }
   }
   const cudaStream_t target = external != nullptr ? external : own_stream_.handle();

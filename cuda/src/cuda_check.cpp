@@ -91,10 +91,9 @@ void throw_cuda_error(cudaError_t status, const char* call, int device) {
   // Clear a non-sticky error so that it does not resurface at the next unrelated call.
   cudaGetLastError();
   if (means_no_device(status)) {
-    throw NoCudaDeviceError(name + ": " + text + " (in " + call +
-                                "); no usable CUDA device or driver. Planning (plan_workspace, "
-                                "`inferctx plan --free-gb ... --total-gb ...`) works without one.",
-                            call, static_cast<int>(status), name);
+    throw with_remedy(NoCudaDeviceError(name + ": " + text + " (in " + call + "); no usable CUDA device or driver.",
+                                        call, static_cast<int>(status), name),
+                      Remedy::PlanWithoutDevice);
   }
   std::string where = device >= 0 ? " on device " + std::to_string(device) : "";
   std::string hint;

@@ -5,43 +5,48 @@
 
 namespace inferctx {
 
+namespace {
+
+void take_common(ErrorInfo& info, const Error& e) {
+  info.kind = static_cast<int>(e.kind());
+  info.message = e.what();
+  info.remedy = static_cast<int>(e.remedy);
+  info.remedy_device = e.remedy_device;
+}
+
+}  // namespace
+
 ErrorInfo current_error_info() {
   ErrorInfo info;
   try {
     throw;
   } catch (const WorkspaceOOMError& e) {
-    info.kind = static_cast<int>(e.kind());
-    info.message = e.what();
-    info.values[0] = e.requested_bytes;
-    info.values[1] = e.free_bytes;
-    info.values[2] = e.total_bytes;
-    info.values[3] = e.budget_bytes;
-    info.values[4] = e.max_batch_size;
-    info.values[5] = e.max_out_tokens;
+    take_common(info, e);
+    info.requested_bytes = e.requested_bytes;
+    info.free_bytes = e.free_bytes;
+    info.total_bytes = e.total_bytes;
+    info.budget_bytes = e.budget_bytes;
+    info.max_batch_size = e.max_batch_size;
+    info.max_out_tokens = e.max_out_tokens;
   } catch (const ConfigError& e) {
-    info.kind = static_cast<int>(e.kind());
-    info.message = e.what();
+    take_common(info, e);
     info.argument = e.argument;
   } catch (const TokenLimitError& e) {
-    info.kind = static_cast<int>(e.kind());
-    info.message = e.what();
-    info.values[0] = e.current;
-    info.values[1] = e.requested;
-    info.values[2] = e.limit;
+    take_common(info, e);
+    info.current = e.current;
+    info.requested = e.requested;
+    info.limit = e.limit;
   } catch (const WorkspaceInUseError& e) {
-    info.kind = static_cast<int>(e.kind());
-    info.message = e.what();
-    info.values[0] = e.views_alive;
+    take_common(info, e);
+    info.views_alive = e.views_alive;
   } catch (const CudaError& e) {  // CublasError and NoCudaDeviceError too
-    info.kind = static_cast<int>(e.kind());
-    info.message = e.what();
+    take_common(info, e);
     info.call = e.call;
     info.code = e.code;
     info.code_name = e.code_name;
     info.device = e.device;
   } catch (const Error& e) {
-    info.kind = static_cast<int>(e.kind());
-    info.message = e.what();
+    take_common(info, e);
   } catch (const std::bad_alloc&) {
     info.kind = -1;
     info.message = "host memory exhausted (std::bad_alloc)";

@@ -437,10 +437,18 @@ int64_t dtype_size(int dtype) {
 }
 
 std::string human_bytes(int64_t bytes) {
-  // Compared on both sides rather than through llabs, which is undefined for INT64_MIN.
-  const double b = static_cast<double>(bytes);
-  if (bytes >= kGiB || bytes <= -kGiB) return format_double("%.2f GiB", b / static_cast<double>(kGiB));
-  if (bytes >= kMiB || bytes <= -kMiB) return format_double("%.2f MiB", b / static_cast<double>(kMiB));
+  struct Unit {
+    const char* format;
+    int64_t scale;
+  };
+  static constexpr Unit kUnits[] = {
+      {"%.2f TiB", int64_t{1} << 40}, {"%.2f GiB", kGiB}, {"%.2f MiB", kMiB}, {"%.2f KiB", int64_t{1} << 10}};
+  for (const Unit& unit : kUnits) {
+    // Compared on both sides rather than through llabs, which is undefined for INT64_MIN.
+    if (bytes >= unit.scale || bytes <= -unit.scale) {
+      return format_double(unit.format, static_cast<double>(bytes) / static_cast<double>(unit.scale));
+    }
+  }
   return std::to_string(bytes) + " B";
 }
 

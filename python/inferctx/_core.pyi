@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from .planning import ModelShape, WorkspacePlan
+from .planning import WorkspacePlan
+
+def _name_of(dtype: object) -> str | None: ...
+def _as_bool(value: object, argument: str) -> bool: ...
+def _human_bytes(n: int) -> str: ...
+
+DTYPE_FLOAT32: int
+DTYPE_FLOAT16: int
+DTYPE_BFLOAT16: int
+DTYPE_ITEMSIZE: dict[int, int]
+
 
 # -- planner (pyx/_planner.pxi) -------------------------------------------------------------
 
@@ -107,17 +117,24 @@ def _empty(device: int | None, shape: int | tuple[int, ...], dtype: Any = "float
 
 # -- the context (pyx/_context.pxi) ---------------------------------------------------------
 
+def _set_context_class(cls: type[InferenceContext]) -> None: ...
+
+class _PlanMade:
+    @property
+    def request(self) -> dict[str, Any]: ...
+    @property
+    def result(self) -> dict[str, Any]: ...
+
 class InferenceContext:
+    # The compiled part; the public class (inferctx.context.InferenceContext) adds gen_workspace.
     @property
     def device(self) -> int: ...
     @classmethod
-    def instance(cls, device: int | None = None) -> InferenceContext: ...
-    def gen_workspace(self, shape: ModelShape | str, *, batch_size: int, prompt_len: int,
-                      max_out_tokens: int, min_out_tokens: int = 1, dtype: Any = "float16",
-                      mp_size: int = 1, rank: int = 0, external_cache: bool = False,
-                      policy: Literal["exact", "deepspeed"] = "exact",
-                      reserve_bytes: int | None = None, memory_limit_bytes: int | None = None,
-                      memory_fraction: float | None = None) -> WorkspacePlan: ...
+    def instance(cls, device: int | None = None) -> Self: ...
+    def _created(self, fallback_reason: str | None) -> None: ...
+    def _gen_workspace(self, args: tuple[Any, ...], fields: dict[str, Any] | None
+                       ) -> WorkspacePlan | _PlanMade | None: ...
+    def _adopt_plan(self, plan: WorkspacePlan, made: _PlanMade, args: tuple[Any, ...]) -> bool: ...
     @property
     def plan(self) -> WorkspacePlan: ...
     @property

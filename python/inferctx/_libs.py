@@ -8,7 +8,9 @@ the dynamic loader resolve the extension's dependency by soname.
 Nothing here runs at ``import inferctx``: planning loads no CUDA library. ``install_hook``
 puts a finder on sys.meta_path that preloads the libraries the first time inferctx._core is
 imported, whichever module imports it (inferctx.context, inferctx.gemm, or a lazy attribute
-of the package).
+of the package). The same finder imports inferctx.context right after inferctx._core, so that
+the public InferenceContext (which adds the Python layer to the compiled class) is the class
+of every context, whichever module made the first.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from importlib.abc import Loader
     from importlib.machinery import ModuleSpec
 
 _LIBS = ("libcublasLt.so.13", "libcublas.so.13")
 _CORE = "inferctx._core"
+_CONTEXT = "inferctx.context"
 _done = False
 _lock = threading.Lock()
 
@@ -57,13 +61,39 @@ def _candidate_dirs() -> Iterator[str]:
 
 class _PreloadBeforeCore:
     """A meta-path finder (importlib.abc.MetaPathFinder's protocol; the ABC itself costs 10 ms
-    of import) that preloads cuBLAS when inferctx._core is first imported and finds nothing."""
+    of import) that preloads cuBLAS when inferctx._core is first imported and hands the
+    extension's own spec back with a loader that imports inferctx.context after it."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> ModuleSpec | None:
-        if fullname == _CORE:
-            preload()
-        return None
+        if fullname != _CORE:
+            return None
+        preload()
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenContext(spec.loader)  # type: ignore[assignment]  # Loader's protocol
+        return spec
+
+
+class _ThenContext:
+    """The extension's loader, followed by the import of inferctx.context."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        # Already in sys.modules when inferctx.context is what imports inferctx._core (in this
+        # thread or another): it registers its class once its own import is done.
+        if _CONTEXT not in sys.modules:
+            import importlib
+
+            importlib.import_module(_CONTEXT)
 
 
 def install_hook() -> None:

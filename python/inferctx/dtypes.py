@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from . import _plan
+from ._plan import _name_of
 from .errors import ConfigError, _brief
 
-# Codes of inferctx::DType (cuda/include/inferctx/plan.hpp).
-FLOAT32, FLOAT16, BFLOAT16 = 0, 1, 2
+# Codes and sizes of inferctx::DType (cuda/include/inferctx/plan.hpp), through the planner.
+FLOAT32, FLOAT16, BFLOAT16 = _plan.DTYPE_FLOAT32, _plan.DTYPE_FLOAT16, _plan.DTYPE_BFLOAT16
 
 NAMES = {FLOAT32: "float32", FLOAT16: "float16", BFLOAT16: "bfloat16"}
-ITEMSIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2}
+ITEMSIZE = dict(_plan.DTYPE_ITEMSIZE)
 
 _ALIASES = {
     "float32": FLOAT32, "fp32": FLOAT32, "f32": FLOAT32, "float": FLOAT32, "single": FLOAT32,
@@ -17,25 +19,6 @@ _ALIASES = {
 }
 
 VALID = "'float32' ('fp32'), 'float16' ('fp16', 'half') or 'bfloat16' ('bf16')"
-
-
-def _name_of(dtype: object) -> str | None:
-    if isinstance(dtype, str):
-        return dtype
-    module = type(dtype).__module__ or ""
-    if module.startswith("torch"):  # torch.float16 prints as 'torch.float16'
-        return str(dtype).rpartition(".")[2]
-    name = getattr(dtype, "name", None)  # numpy.dtype, ml_dtypes
-    if isinstance(name, str):
-        return name
-    if isinstance(dtype, type):  # numpy scalar types such as numpy.float16
-        try:
-            import numpy as np
-
-            return np.dtype(dtype).name
-        except TypeError:
-            return None
-    return None
 
 
 def dtype_code(dtype: object, argument: str = "dtype") -> int:

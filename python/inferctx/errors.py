@@ -33,12 +33,32 @@ class InferCtxError(Exception):
     def message(self) -> str:
         return str(self.args[0]) if self.args else ""
 
+    @classmethod
+    def _from_core(cls, message: str, remedy: int = 0, remedy_device: int | None = None,
+                   **fields: Any) -> InferCtxError:
+        """The error the C++ layer threw: its message (the facts), then its remedy worded here."""
+        return cls(message + _REMEDIES.get(remedy, "").format(device=remedy_device), **fields)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.message, {n: getattr(self, n) for n in self._fields}))
 
 
 def _rebuild(cls: type[InferCtxError], message: str, fields: dict[str, Any]) -> InferCtxError:
     return cls(message, **fields)
+
+
+# What the caller can do, by the codes of inferctx::Remedy (cuda/include/inferctx/errors.hpp):
+# the C++ message holds the facts, and this the fix in the Python API's terms ({device}: the
+# device the remedy names).
+_REMEDIES: dict[int, str] = {
+    1: "; or drop the views of the workspace, or release_workspace(force=True), and retry",
+    2: "; drop them first, or pass force=True to detach the workspace: its memory is then freed "
+       "when the last view dies",
+    3: "; free device memory (for torch: drop tensors, then torch.cuda.empty_cache()) and call "
+       "retake_workspace again",
+    4: ", or InferenceContext.instance({device}) for that stream",
+    5: " Planning (plan_workspace, `inferctx plan --free-gb ... --total-gb ...`) works without one.",
+}
 
 
 def _brief(value: object, limit: int = 60) -> str:

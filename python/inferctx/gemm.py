@@ -601,12 +601,7 @@ def _shape(shape) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def _flag(value, argument) -> bool:
-    if value is True or value is False:
-        return value
-    if type(value).__name__ == "bool_":  # numpy.bool_
-        return bool(value)
-    raise ConfigError(f"{argument}: got {value!r}; it must be True or False", argument=argument)
+_flag = _core._as_bool  # True or False (a numpy.bool_ too)
 
 
 def _scalar(value, argument) -> float:

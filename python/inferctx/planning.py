@@ -50,12 +50,6 @@ def _as_opt_int(value: object, argument: str, *, minimum: int | None = None) -> 
     return None if value is None else _as_int(value, argument, minimum=minimum)
 
 
-def _as_bool(value: object, argument: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{argument}: got {_brief(value)}; it must be True or False", argument=argument)
-    return value
-
-
 def _as_fraction(value: object, argument: str = "memory_fraction") -> float | None:
     """A number in (0, 1] (any real: float, int, numpy scalar, Fraction), or None."""
     if value is None:
@@ -74,11 +68,8 @@ def _as_fraction(value: object, argument: str = "memory_fraction") -> float | No
 
 
 def human_bytes(n: int) -> str:
-    """1536 -> '1.50 KiB'; binary units."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    """1536 -> '1.50 KiB'; binary units (the C++ formatter that every message uses)."""
+    return _plan._human_bytes(n)
 
 
 class ModelShape:
@@ -218,7 +209,7 @@ def _request_fields(shape: object, *, batch_size: object, prompt_len: object, ma
         "dtype": dtypes.dtype_code(dtype),
         "mp_size": _as_int(mp_size, "mp_size"),
         "rank": _as_int(rank, "rank"),
-        "external_cache": _as_bool(external_cache, "external_cache"),
+        "external_cache": _plan._as_bool(external_cache, "external_cache"),
         "policy": POLICIES[policy],
         "free_bytes": _as_int(free_bytes, "free_bytes"),
         "total_bytes": _as_int(total_bytes, "total_bytes"),

@@ -48,6 +48,68 @@ TEST_CASE("a sticky error's message says to restart; an ordinary one adds nothin
   }
 }
 
+TEST_CASE("no device: the error holds the facts and names its remedy, not the Python API or the CLI") {
+  try {
+    throw_cuda_error(cudaErrorNoDevice, "cudaGetDeviceCount", -1);
+    CHECK(false);
+  } catch (const NoCudaDeviceError& e) {
+    const std::string what = e.what();
+    CHECK(contains(what, "cudaErrorNoDevice"));
+    CHECK(contains(what, "no usable CUDA device or driver"));
+    CHECK(!contains(what, "--"));
+    CHECK(!contains(what, "plan_workspace"));
+    CHECK(e.remedy == Remedy::PlanWithoutDevice);
+    CHECK_EQ(e.code, static_cast<int>(cudaErrorNoDevice));
+  }
+  try {
+    throw_cuda_error(cudaErrorInvalidValue, "cudaMemcpy", 0);
+    CHECK(false);
+  } catch (const CudaError& e) {
+    CHECK(e.remedy == Remedy::None);
+  }
+}
+
+TEST_CASE("the translation for Python carries every field by name") {
+  ErrorInfo info;
+  try {
+    throw with_remedy(WorkspaceOOMError("too big", 10, 20, 30, 40, 5, -1), Remedy::FreeMemoryThenRetake);
+  } catch (...) {
+    info = current_error_info();
+  }
+  CHECK_EQ(info.kind, static_cast<int>(ErrorKind::WorkspaceOOM));
+  CHECK(info.message == "too big");
+  CHECK_EQ(info.remedy, static_cast<int>(Remedy::FreeMemoryThenRetake));
+  CHECK_EQ(info.requested_bytes, int64_t{10});
+  CHECK_EQ(info.free_bytes, int64_t{20});
+  CHECK_EQ(info.total_bytes, int64_t{30});
+  CHECK_EQ(info.budget_bytes, int64_t{40});
+  CHECK_EQ(info.max_batch_size, int64_t{5});
+  CHECK_EQ(info.max_out_tokens, int64_t{-1});
+  try {
+    throw with_remedy(ConfigError("stream", "stream: of device 1"), Remedy::ContextOfDevice, 1);
+  } catch (...) {
+    info = current_error_info();
+  }
+  CHECK(info.argument == "stream");
+  CHECK_EQ(info.remedy, static_cast<int>(Remedy::ContextOfDevice));
+  CHECK_EQ(info.remedy_device, 1);
+  try {
+    throw TokenLimitError("past the limit", 7, 3, 8);
+  } catch (...) {
+    info = current_error_info();
+  }
+  CHECK_EQ(info.current, int64_t{7});
+  CHECK_EQ(info.requested, int64_t{3});
+  CHECK_EQ(info.limit, int64_t{8});
+  CHECK_EQ(info.remedy, 0);
+  try {
+    throw WorkspaceInUseError("views", 2);
+  } catch (...) {
+    info = current_error_info();
+  }
+  CHECK_EQ(info.views_alive, int64_t{2});
+}
+
 TEST_CASE("in a forked child every error says it was forked and how to start workers instead") {
   CHECK(!contains(process_state_hint(cudaErrorInitializationError), "fork"));  // the parent
   const pid_t pid = fork();

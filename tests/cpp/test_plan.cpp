@@ -447,4 +447,16 @@ TEST_CASE("check_request refuses bad arguments without looking at the memory fig
   CHECK_THROWS(ConfigError, check_request(r));
 }
 
+TEST_CASE("human_bytes: binary units with two decimals, the sign kept") {
+  CHECK(human_bytes(0) == "0 B");
+  CHECK(human_bytes(1023) == "1023 B");
+  CHECK(human_bytes(1024) == "1.00 KiB");
+  CHECK(human_bytes(1536) == "1.50 KiB");
+  CHECK(human_bytes(640 * kMiB) == "640.00 MiB");
+  CHECK(human_bytes(3 * kGiB / 2) == "1.50 GiB");
+  CHECK(human_bytes(int64_t{5} << 41) == "10.00 TiB");
+  CHECK(human_bytes(-400 * kMiB) == "-400.00 MiB");
+  CHECK(human_bytes(INT64_MIN) == "-8388608.00 TiB");
+}
+
 CHECK_MAIN()

@@ -63,3 +63,38 @@ def test_device_count_or_no_device_error():
     with pytest.raises(errors.NoCudaDeviceError) as info:
         _core._device_count()
     assert "Planning" in str(info.value) and info.value.name
+
+
+def test_no_device_error_words_the_planning_remedy():
+    from conftest import gpu_available
+
+    from inferctx import _core
+
+    if gpu_available()[0]:
+        pytest.skip("needs a machine without a usable GPU")
+    with pytest.raises(errors.NoCudaDeviceError) as info:
+        _core._device_count()
+    # the C++ message ends with the facts; the Python class adds the fix in the CLI's terms
+    assert str(info.value).endswith("no usable CUDA device or driver. Planning (plan_workspace, "
+                                    "`inferctx plan --free-gb ... --total-gb ...`) works without one.")
+
+
+@pytest.mark.parametrize("remedy, device, part", [
+    (1, None, "release_workspace(force=True), and retry"),
+    (2, None, "pass force=True to detach the workspace"),
+    (3, None, "torch.cuda.empty_cache()) and call retake_workspace again"),
+    (4, 3, "or InferenceContext.instance(3) for that stream"),
+    (5, None, "`inferctx plan --free-gb ... --total-gb ...`"),
+])
+def test_remedies_are_worded_by_the_python_classes(remedy, device, part):
+    e = errors.WorkspaceInUseError._from_core("release_workspace: 2 view(s) are alive", remedy, device,
+                                              views_alive=2)
+    assert type(e) is errors.WorkspaceInUseError and e.views_alive == 2
+    assert str(e).startswith("release_workspace: 2 view(s) are alive") and part in str(e)
+    clone = pickle.loads(pickle.dumps(e))
+    assert str(clone) == str(e) and clone.views_alive == 2  # worded once, not again
+
+
+def test_no_remedy_leaves_the_message_as_it_is():
+    e = errors.ConfigError._from_core("p: got 2; it must be in [0, 1)", 0, None, argument="p")
+    assert str(e) == "p: got 2; it must be in [0, 1)" and e.argument == "p"

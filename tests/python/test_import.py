@@ -60,6 +60,24 @@ print(json.dumps({'preloaded': libs._done, **loaded()}))
     assert out["preloaded"] is True and "inferctx._core" in out["modules"]
 
 
+def test_every_context_is_the_public_class_whichever_module_loads_the_gpu_module():
+    # gemm or dropout may make the first context (ctx=None): inferctx.context, whose subclass
+    # adds gen_workspace, is loaded with inferctx._core and has registered its class by then.
+    for first in ("inferctx._core", "inferctx.gemm", "inferctx.context"):
+        out = probe(f"""
+import importlib, {first}
+import inferctx
+from inferctx import _core
+cls = inferctx.InferenceContext
+print(json.dumps({{'modules': loaded()['modules'], 'subclass': issubclass(cls, _core.InferenceContext),
+                  'module': cls.__module__,
+                  'compiled_has_gen_workspace': hasattr(_core.InferenceContext, 'gen_workspace')}}))
+""")
+        assert "inferctx.context" in out["modules"], first
+        assert out["subclass"] and out["module"] == "inferctx.context"
+        assert not out["compiled_has_gen_workspace"]  # the Python layer adds it
+
+
 def test_lazy_names_are_the_gpu_modules_names():
     import importlib
 

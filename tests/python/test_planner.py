@@ -409,3 +409,14 @@ def test_weights_above_free_memory_say_which_mp_size_splits_them():
     assert str(info.value).endswith("even mp_size=8 (the most that divides num_heads=128 and num_kv_heads=8) "
                                     "leaves 94.50 GiB of weights on each GPU")
     assert pickle.loads(pickle.dumps(info.value)).message == info.value.message
+
+
+@pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (1536, "1.50 KiB"),
+                                     (640 << 20, "640.00 MiB"), (3 << 29, "1.50 GiB"),
+                                     (5 << 41, "10.00 TiB"), (-(400 << 20), "-400.00 MiB")])
+def test_human_bytes_is_the_one_formatter(n, text):
+    from inferctx import _plan
+    from inferctx.planning import human_bytes
+
+    # the plan table, the CLI and the C++ messages all print sizes through the C++ formatter
+    assert human_bytes(n) == text == _plan._human_bytes(n)

@@ -1,5 +1,7 @@
 // Exception types thrown by inferctx_core. pyx/ maps each one to the Python class of
-// the same name in inferctx.errors; the fields travel with it.
+// the same name in inferctx.errors; the fields travel with it. Messages hold the facts in
+// the library's own terms; where the fix names the Python API (a method, a keyword, the
+// CLI), the error carries a Remedy that the Python class words.
 #pragma once
 
 #include <cstdint>
@@ -19,14 +21,36 @@ enum class ErrorKind : int {
   NoCudaDevice = 8,
 };
 
+// What the caller can do about an error, worded by the Python error class and appended to
+// the message (python/inferctx/errors.py keeps the same codes).
+enum class Remedy : int {
+  None = 0,
+  DropViewsOrForceRelease = 1,  // views keep the old workspace: drop them, or release it by force
+  DropViewsOrDetach = 2,        // a release refused for its views: drop them, or detach by force
+  FreeMemoryThenRetake = 3,     // free device memory, then retake the workspace
+  ContextOfDevice = 4,          // use the context of device `remedy_device` for that stream
+  PlanWithoutDevice = 5,        // planning works without a device
+};
+
 class Error : public std::runtime_error {
  public:
   Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
   ErrorKind kind() const noexcept { return kind_; }
 
+  Remedy remedy = Remedy::None;
+  int remedy_device = -1;  // the device a remedy names (Remedy::ContextOfDevice)
+
  private:
   ErrorKind kind_;
 };
+
+// `error` with a remedy: throw with_remedy(WorkspaceInUseError(...), Remedy::DropViewsOrDetach).
+template <class E>
+E with_remedy(E error, Remedy remedy, int remedy_device = -1) {
+  error.remedy = remedy;
+  error.remedy_device = remedy_device;
+  return error;
+}
 
 // An argument outside what is valid; `argument` names it.
 class ConfigError : public Error {
@@ -108,17 +132,28 @@ class NoCudaDeviceError : public CudaError {
       : CudaError(ErrorKind::NoCudaDevice, message, std::move(call), code, std::move(code_name), -1) {}
 };
 
-// Flattened view of the exception being handled, for the Python translation in pyx/.
+// Flattened view of the exception being handled, for the Python translation in pyx/: the
+// fields of every error type, named as there; those of other types keep their defaults.
 // Call only inside a catch block (it rethrows the current exception).
 struct ErrorInfo {
-  int kind = 0;  // 0: not an inferctx::Error
+  int kind = 0;  // 0: not an inferctx::Error; -1: std::bad_alloc
   std::string message;
+  int remedy = 0;
+  int remedy_device = -1;
+  // ConfigError
   std::string argument;
+  // WorkspaceOOMError (-1: no batch size / max_out_tokens would fit)
+  int64_t requested_bytes = 0, free_bytes = 0, total_bytes = 0, budget_bytes = 0;
+  int64_t max_batch_size = -1, max_out_tokens = -1;
+  // TokenLimitError
+  int64_t current = 0, requested = 0, limit = 0;
+  // WorkspaceInUseError
+  int64_t views_alive = 0;
+  // CudaError, CublasError, NoCudaDeviceError
   std::string call;
   std::string code_name;
   int code = 0;
   int device = -1;
-  int64_t values[6] = {0, 0, 0, 0, 0, 0};
 };
 
 ErrorInfo current_error_info();

@@ -117,8 +117,9 @@ int64_t max_out_tokens_for(const PlanRequest& request);
 // rounded up); ConfigError naming the argument when one is out of range or it overflows.
 int64_t weights_bytes_for(int64_t num_params, int dtype, int64_t mp_size);
 
-// Binary units with two decimals: "1.50 GiB", "640.00 MiB", else "123 B"; a negative count
-// (a budget below zero) keeps its sign: "-400.00 MiB".
+// Binary units with two decimals: "2.00 TiB", "1.50 GiB", "640.00 MiB", "1.50 KiB", else
+// "123 B"; a negative count (a budget below zero) keeps its sign: "-400.00 MiB". The one byte
+// formatter: Python's planning.human_bytes calls it too.
 std::string human_bytes(int64_t bytes);
 
 // Bytes the given policy needs for `tokens` tokens; throws ConfigError on overflow.
