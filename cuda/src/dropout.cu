@@ -50,6 +50,7 @@
 #include "inferctx/errors.hpp"
 #include "inferctx/graph_rng.hpp"
 #include "inferctx/plan.hpp"
+#include "dtype_dispatch.hpp"
 #include "elem.cuh"
 #include "graph_rng.cuh"
 
@@ -701,11 +702,10 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
   const bool vector = aligned16(x) && aligned16(y) &&
                       (mode != MaskMode::Bytes || address(mask) % static_cast<uint64_t>(chunk_elems) == 0);
   const auto run = [&](const auto& P) {
-    switch (static_cast<DType>(dtype)) {
-      case DType::Float32: return launch_forward<float>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
-      case DType::Float16: return launch_forward<__half>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
-      case DType::BFloat16: return launch_forward<__nv_bfloat16>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
-    }
+    detail::with_dtype(dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      launch_forward<T>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
+    });
   };
   if (!source.captured) {
     ForwardParams<PhiloxConstants> P{};
@@ -762,11 +762,10 @@ void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n
   const int64_t chunk_elems = 16 / elem;
   const bool vector = aligned16(grad) && aligned16(out) &&
                       (mode != MaskMode::Bytes || address(mask) % static_cast<uint64_t>(chunk_elems) == 0);
-  switch (static_cast<DType>(dtype)) {
-    case DType::Float32: return launch_apply<float>(grad, mask, out, mode, P, vector, stream, dev, max_blocks);
-    case DType::Float16: return launch_apply<__half>(grad, mask, out, mode, P, vector, stream, dev, max_blocks);
-    case DType::BFloat16: return launch_apply<__nv_bfloat16>(grad, mask, out, mode, P, vector, stream, dev, max_blocks);
-  }
+  detail::with_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch_apply<T>(grad, mask, out, mode, P, vector, stream, dev, max_blocks);
+  });
 }
 
 }  // namespace inferctx

@@ -9,6 +9,7 @@
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/gemm.hpp"
+#include "dtype_dispatch.hpp"
 #include "elem.cuh"
 #include "gemm_detail.hpp"
 
@@ -107,33 +108,20 @@ int grid_for(int64_t total, int threads) {
 void launch_scale(const GemmProblem& p, void* c, float beta, cudaStream_t stream, int device) {
   const int threads = 256;
   const int grid = grid_for(p.batch * p.m * p.n, threads);
-  switch (p.dtype) {
-    case 0:
-      scale_kernel<float><<<grid, threads, 0, stream>>>(static_cast<float*>(c), p.m, p.n, p.ldc, p.batch, p.stride_c,
-                                                        beta);
-      break;
-    case 1:
-      scale_kernel<__half><<<grid, threads, 0, stream>>>(static_cast<__half*>(c), p.m, p.n, p.ldc, p.batch,
-                                                         p.stride_c, beta);
-      break;
-    default:
-      scale_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(static_cast<__nv_bfloat16*>(c), p.m, p.n, p.ldc,
-                                                                p.batch, p.stride_c, beta);
-      break;
-  }
+  with_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    scale_kernel<T><<<grid, threads, 0, stream>>>(static_cast<T*>(c), p.m, p.n, p.ldc, p.batch, p.stride_c, beta);
+  });
   check_cuda(cudaGetLastError(), "scale_kernel<<<>>> (gemm with k = 0)", device);
 }
 
 void launch_fill(int dtype, void* p, int64_t count, uint64_t seed, cudaStream_t stream, int device) {
   const int threads = 256;
   const int grid = grid_for(count, threads);
-  switch (dtype) {
-    case 0: fill_random_kernel<float><<<grid, threads, 0, stream>>>(static_cast<float*>(p), count, seed); break;
-    case 1: fill_random_kernel<__half><<<grid, threads, 0, stream>>>(static_cast<__half*>(p), count, seed); break;
-    default:
-      fill_random_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(static_cast<__nv_bfloat16*>(p), count, seed);
-      break;
-  }
+  with_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    fill_random_kernel<T><<<grid, threads, 0, stream>>>(static_cast<T*>(p), count, seed);
+  });
   check_cuda(cudaGetLastError(), "fill_random_kernel<<<>>>", device);
 }
 
@@ -141,22 +129,11 @@ void launch_compare(const GemmProblem& p, const void* x, const void* y, CompareS
                     int device) {
   const int threads = 256;
   const int grid = std::min(grid_for(p.batch * p.m * p.n, threads), 1024);
-  switch (p.dtype) {
-    case 0:
-      compare_kernel<float><<<grid, threads, 0, stream>>>(static_cast<const float*>(x), static_cast<const float*>(y),
-                                                          p.m, p.n, p.ldc, p.batch, p.stride_c, sums);
-      break;
-    case 1:
-      compare_kernel<__half><<<grid, threads, 0, stream>>>(static_cast<const __half*>(x),
-                                                           static_cast<const __half*>(y), p.m, p.n, p.ldc, p.batch,
-                                                           p.stride_c, sums);
-      break;
-    default:
-      compare_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                                                  static_cast<const __nv_bfloat16*>(y), p.m, p.n,
-                                                                  p.ldc, p.batch, p.stride_c, sums);
-      break;
-  }
+  with_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    compare_kernel<T><<<grid, threads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(y), p.m, p.n,
+                                                    p.ldc, p.batch, p.stride_c, sums);
+  });
   check_cuda(cudaGetLastError(), "compare_kernel<<<>>>", device);
 }
 
