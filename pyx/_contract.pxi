@@ -190,19 +190,23 @@ cdef int _cuda_device_of(object obj, str argument) except -2:
     if hasattr(obj, "__dlpack__"):  # as_cuda_array imports it through DLPack
         dlpack_device = getattr(obj, "__dlpack_device__", None)
         if dlpack_device is not None:
-            device_type, device_id = _dlpack_device_of(obj, dlpack_device, argument)
+            device_type, device_id = _dlpack_device_checked(obj, dlpack_device, argument)
             if device_type == kDLCUDA or device_type == kDLCUDAManaged:
                 return device_id
     return -1
 
 
 def _dlpack_device_of(obj, dlpack_device, argument):
+    """_dlpack_device_checked for gemm.py."""
+    return _dlpack_device_checked(obj, dlpack_device, argument)
+
+
+cdef tuple _dlpack_device_checked(object obj, object dlpack_device, str argument):
     """obj.__dlpack_device__() as (device_type, device_id), checked: ConfigError naming the
-    argument when it gives anything but two ints (gemm.py uses it too)."""
+    argument when it gives anything but two ints."""
     got = dlpack_device()
-    if (isinstance(got, tuple) and len(got) == 2 and not PyBool_Check(got[0]) and not PyBool_Check(got[1])
-            and isinstance(got[0], int) and isinstance(got[1], int)):
-        return int(got[0]), int(got[1])
+    if _is_device_pair(got):
+        return (int(got[0]), int(got[1]))
     raise _ConfigError(f"{argument}: {_type_name(obj)}.__dlpack_device__() returned {got!r}; DLPack "
                        f"gives a (device_type, device_id) tuple of two ints", argument=argument)
 

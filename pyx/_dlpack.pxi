@@ -264,13 +264,18 @@ cdef int _copy_mode(object copy) except -2:
     raise _ConfigError(f"copy: got {copy!r}; valid: None, True or False", argument="copy")
 
 
+cdef bint _is_device_pair(object value):
+    """Whether `value` is a DLPack (device_type, device_id) pair: a tuple of two ints, no bools."""
+    return (isinstance(value, tuple) and len(value) == 2
+            and isinstance(value[0], int) and not PyBool_Check(value[0])
+            and isinstance(value[1], int) and not PyBool_Check(value[1]))
+
+
 cdef tuple _dl_device_arg(object dl_device):
     """(device_type, device_id) of a dl_device argument, or None."""
     if dl_device is None:
         return None
-    if (not isinstance(dl_device, tuple) or len(dl_device) != 2
-            or PyBool_Check(dl_device[0]) or PyBool_Check(dl_device[1])
-            or not isinstance(dl_device[0], int) or not isinstance(dl_device[1], int)):
+    if not _is_device_pair(dl_device):
         raise BufferError(f"dl_device: got {dl_device!r}; the DLPack spec passes a "
                           f"(device_type, device_id) tuple such as (1, 0) for the CPU")
     return (int(dl_device[0]), int(dl_device[1]))

@@ -116,7 +116,7 @@ cdef CudaArray _from_device_view(DeviceView view, uintptr_t stream):
 cdef CudaArray _from_dlpack(object obj, str argument, uintptr_t stream):
     dlpack_device = getattr(obj, "__dlpack_device__", None)
     if dlpack_device is not None:
-        device_type = _dlpack_device_of(obj, dlpack_device, argument)[0]
+        device_type = _dlpack_device_checked(obj, dlpack_device, argument)[0]
         if device_type != kDLCUDA and device_type != kDLCUDAManaged:
             raise _ConfigError(_not_cuda(obj, argument, _device_words(device_type)),
                                argument=argument)

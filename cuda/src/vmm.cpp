@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
-#include <functional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -68,6 +67,26 @@ CUmemAllocationProp pinned_device_memory(const DriverApi& api, int ordinal) {
 }
 
 int resolve_device(int device) { return device < 0 ? current_device() : device; }
+
+// Runs share(0) .. share(n - 1) at once: share(0) on the calling thread, the others in threads of
+// their own (on the calling thread too when no thread can be had); returns when all are done,
+// with `device` current on the calling thread again. Each share binds its own thread to the
+// device first (a new thread has no current context).
+template <class Share>
+void run_in_threads(int device, size_t n, Share&& share) {
+  std::vector<std::thread> threads;
+  threads.reserve(n > 0 ? n - 1 : 0);
+  size_t started = 1;
+  try {
+    for (; started < n; ++started) threads.emplace_back(share, started);
+  } catch (...) {
+    // No thread to be had: the shares left run on this one.
+  }
+  if (n > 0) share(size_t{0});
+  for (size_t i = started; i < n; ++i) share(i);
+  for (std::thread& t : threads) t.join();
+  INFERCTX_CUDA(cudaSetDevice(device), device);
+}
 
 // A virtual-memory driver call, which a test build may fail on purpose (fault::Site::virtual_memory).
 template <class Call>
@@ -285,17 +304,7 @@ bool VirtualAllocation::map_range_parallel(int64_t from, int64_t to) {
     });
     if (p.status != CUDA_SUCCESS) p.call = "cuMemMap";
   };
-  std::vector<std::thread> threads;
-  threads.reserve(parts.size());
-  try {
-    for (size_t i = 1; i < parts.size(); ++i) threads.emplace_back(run, std::ref(parts[i]));
-  } catch (...) {
-    // No thread to be had: the parts left run on this one.
-  }
-  run(parts[0]);
-  for (size_t i = threads.size() + 1; i < parts.size(); ++i) run(parts[i]);
-  for (std::thread& t : threads) t.join();
-  INFERCTX_CUDA(cudaSetDevice(device_), device_);  // the calling thread's context, as it was
+  run_in_threads(device_, parts.size(), [&](size_t i) { run(parts[i]); });
 
   const size_t first = chunks_.size();
   for (const Part& p : parts) {
@@ -388,11 +397,11 @@ void VirtualAllocation::unmap_parallel() {
   const int device = device_;
   const unsigned long long base = base_;
   const std::vector<Chunk>& chunks = chunks_;
-  // Thread t takes chunks t, t + threads, ...; each chunk is unmapped, then its handle released.
-  const size_t threads_wanted = std::min(chunks_.size(), static_cast<size_t>(kMapThreads));
-  auto run = [&api, &outcomes, &chunks, device, base, threads_wanted](size_t t) {
-    const cudaError_t bound = cudaSetDevice(device);  // a thread of its own starts with no current context
-    for (size_t i = t; i < chunks.size(); i += threads_wanted) {
+  // Share t takes chunks t, t + shares, ...; each chunk is unmapped, then its handle released.
+  const size_t shares = std::min(chunks_.size(), static_cast<size_t>(kMapThreads));
+  run_in_threads(device_, shares, [&api, &outcomes, &chunks, device, base, shares](size_t t) {
+    const cudaError_t bound = cudaSetDevice(device);
+    for (size_t i = t; i < chunks.size(); i += shares) {
       Outcome& o = outcomes[i];
       o.runtime = bound;
       if (bound != cudaSuccess) continue;
@@ -400,37 +409,25 @@ void VirtualAllocation::unmap_parallel() {
           [&] { return api.unmap(static_cast<CUdeviceptr>(base + chunks[i].offset), static_cast<size_t>(chunks[i].bytes)); });
       o.released = vm_call([&] { return api.release(chunks[i].handle); });
     }
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(threads_wanted);
-  size_t started = 1;  // the calling thread takes the first share
-  try {
-    for (; started < threads_wanted; ++started) threads.emplace_back(run, started);
-  } catch (...) {
-    // No thread to be had: the shares left run on this one.
-  }
-  run(0);
-  for (size_t t = started; t < threads_wanted; ++t) run(t);
-  for (std::thread& t : threads) t.join();
-  INFERCTX_CUDA(cudaSetDevice(device_), device_);  // the calling thread's context, as it was
+  });
   // What failed is tried once more on this thread, so that no chunk keeps its memory or blocks the
   // range for the next map; then the first failure is reported.
   const Outcome* failed = nullptr;
-  size_t failed_at = 0;
+  Chunk failed_chunk{};
   for (size_t i = 0; i < chunks_.size(); ++i) {
     const Outcome& o = outcomes[i];
-    const CUdeviceptr at = static_cast<CUdeviceptr>(base_ + chunks_[i].offset);
-    if (o.runtime != cudaSuccess || o.unmapped != CUDA_SUCCESS) api.unmap(at, static_cast<size_t>(chunks_[i].bytes));
-    if (o.runtime != cudaSuccess || o.released != CUDA_SUCCESS) api.release(chunks_[i].handle);
-    if (failed == nullptr && (o.runtime != cudaSuccess || o.unmapped != CUDA_SUCCESS || o.released != CUDA_SUCCESS)) {
+    const bool unmap_again = o.runtime != cudaSuccess || o.unmapped != CUDA_SUCCESS;
+    const bool release_again = o.runtime != cudaSuccess || o.released != CUDA_SUCCESS;
+    if (unmap_again) api.unmap(static_cast<CUdeviceptr>(base_ + chunks_[i].offset), static_cast<size_t>(chunks_[i].bytes));
+    if (release_again) api.release(chunks_[i].handle);
+    if (failed == nullptr && (unmap_again || release_again)) {
       failed = &o;
-      failed_at = i;
+      failed_chunk = chunks_[i];
     }
   }
-  const std::vector<Chunk> gone = std::move(chunks_);
   chunks_.clear();
   if (failed != nullptr) {
-    const Chunk& c = gone[failed_at];
+    const Chunk& c = failed_chunk;
     if (failed->runtime != cudaSuccess) throw_cuda_error(failed->runtime, "cudaSetDevice", device_);
     check_driver(failed->unmapped, "cuMemUnmap(" + at_arg(base_ + c.offset, c.bytes) + ")", device_);
     check_driver(failed->released, "cuMemRelease(" + bytes_arg(c.bytes) + ")", device_);
