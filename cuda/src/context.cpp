@@ -1,3 +1,6 @@
+// InferenceContext (context.hpp): the context of each device, planning and mapping its workspace,
+// the token counter and the streams. Releasing the workspace and taking it back is in
+// context_release.cpp.
 #include "inferctx/context.hpp"
 
 #include <algorithm>
@@ -7,13 +10,12 @@
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
+#include "context_detail.hpp"
 
 namespace inferctx {
 
-namespace {
+namespace detail {
 
-// An allocation of `bytes` on `device`, or null when the device is out of memory; any other
-// failure throws.
 std::shared_ptr<DeviceAllocation> allocate_or_null(int device, int64_t bytes) {
   try {
     return std::make_shared<DeviceAllocation>(device, bytes);
@@ -26,6 +28,10 @@ std::shared_ptr<DeviceAllocation> allocate_or_null(int device, int64_t bytes) {
 std::string describe_plan(const WorkspacePlan& plan) {
   return std::to_string(plan.max_tokens) + " tokens, " + human_bytes(plan.workspace_bytes);
 }
+
+}  // namespace detail
+
+namespace {
 
 // Why the cudaMalloc fallback is taken on `device`, or "" for CUDA virtual memory. The variable
 // is read once, when the context is made: the choice holds for the context's lifetime.
@@ -47,6 +53,9 @@ struct Registry {
 };
 
 }  // namespace
+
+using detail::allocate_or_null;
+using detail::describe_plan;
 
 std::shared_ptr<InferenceContext> InferenceContext::instance(int device) {
   // Resolving the device initialises the CUDA runtime before the registry below is built, so
@@ -101,24 +110,6 @@ void InferenceContext::commit_plan_locked(const WorkspacePlan& next) {
   plan_ = next;
   has_plan_ = true;
   token_limit_.store(next.max_tokens, std::memory_order_relaxed);
-}
-
-void InferenceContext::set_released_range(bool released) noexcept {
-  const bool mark = released && virtual_ != nullptr;
-  const auto begin = mark ? reinterpret_cast<uintptr_t>(virtual_->data()) : uintptr_t{0};
-  const auto end = mark ? begin + static_cast<uintptr_t>(virtual_->capacity()) : uintptr_t{0};
-  // A reader may see a stale pair for a moment; it only decides whether to refuse a launch.
-  released_begin_.store(begin, std::memory_order_release);
-  released_end_.store(end, std::memory_order_release);
-}
-
-bool InferenceContext::in_released_range(const void* p, int64_t bytes) const noexcept {
-  const uintptr_t begin = released_begin_.load(std::memory_order_acquire);
-  const uintptr_t end = released_end_.load(std::memory_order_acquire);
-  if (begin == end) return false;
-  const auto x = reinterpret_cast<uintptr_t>(p);
-  const auto n = static_cast<uintptr_t>(bytes > 0 ? bytes : 1);
-  return x < end && x + n > begin;
 }
 
 WorkspacePlan InferenceContext::gen_workspace(const PlanRequest& request) {
@@ -322,100 +313,6 @@ int64_t InferenceContext::held_bytes() const {
 int64_t InferenceContext::host_copy_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return host_copy_ ? host_copy_->size() : 0;
-}
-
-void InferenceContext::release_workspace(bool force, bool keep_contents) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!workspace_ || released_) return;
-  CurrentDeviceScope on(device_);
-  if (!vmm_) {
-    const int64_t views = views_alive_locked();
-    if (views > 0 && !force) {
-      throw with_remedy(WorkspaceInUseError("release_workspace: " + std::to_string(views) +
-                                                " view(s) of the workspace are still alive (views, DLPack capsules "
-                                                "or arrays made from them) and this device keeps no addresses "
-                                                "across a release (" + fallback_reason_ + ")",
-                                            views),
-                        Remedy::DropViewsOrDetach);
-    }
-  }
-  // Any stream may still be using the workspace (the caller's, a side stream, a graph replay):
-  // everything queued on the device so far runs first, as cudaFree would wait for it.
-  INFERCTX_CUDA(cudaDeviceSynchronize(), device_);
-  if (keep_contents) {
-    if (!host_copy_ || host_copy_->size() < workspace_->size()) {
-      host_copy_.reset();  // not both at once: the old one may be most of the host's memory
-      host_copy_ = std::make_unique<PinnedAllocation>(workspace_->size());
-    }
-  } else {
-    host_copy_.reset();
-  }
-  if (vmm_) {
-    try {
-      // The copies are queued before anything is unmapped; each chunk goes once its copy is done.
-      virtual_->unmap(keep_contents ? host_copy_->data() : nullptr, own_stream_.handle());
-    } catch (...) {
-      // The memory is unmapped (or going) whatever failed; its contents are not to be trusted.
-      released_ = true;
-      contents_kept_ = false;
-      set_released_range(true);
-      throw;
-    }
-    set_released_range(true);
-  } else {
-    if (keep_contents) {
-      copy_async(host_copy_->data(), workspace_->data(), workspace_->size(), own_stream_.handle(), device_);
-      own_stream_.synchronize();
-    }
-    // Freed now when no view holds it, else by the last view.
-    workspace_.reset();
-  }
-  released_ = true;
-  contents_kept_ = keep_contents;
-}
-
-bool InferenceContext::retake_workspace() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!has_plan_) throw WorkspaceStateError("retake_workspace: no workspace plan to retake: call gen_workspace first");
-  retake_locked("retake_workspace");
-  return true;
-}
-
-void InferenceContext::retake_locked(const char* where) {
-  if (!released_) return;
-  CurrentDeviceScope on(device_);
-  const void* restore = contents_kept_ ? host_copy_->data() : nullptr;
-  int64_t bytes = plan_.workspace_bytes;
-  bool ok = false;
-  if (vmm_) {
-    // The same bytes at the same addresses as before the release, so every view of them is valid.
-    bytes = virtual_->size();
-    ok = virtual_->map(bytes, restore, contents_kept_ ? bytes : 0, own_stream_.handle());
-  } else {
-    std::shared_ptr<DeviceAllocation> fresh = allocate_or_null(device_, bytes);
-    if (fresh && restore != nullptr) {
-      copy_async(fresh->data(), restore, std::min(fresh->size(), host_copy_->size()), own_stream_.handle(), device_);
-      own_stream_.synchronize();
-    }
-    ok = fresh != nullptr;
-    if (ok) workspace_ = std::move(fresh);
-  }
-  if (!ok) {
-    size_t free_now = 0, total = 0;
-    INFERCTX_CUDA(cudaMemGetInfo(&free_now, &total), device_);
-    throw with_remedy(WorkspaceOOMError(
-        std::string(where) + ": " + (vmm_ ? "mapping " : "cudaMalloc of ") + human_bytes(bytes) +
-            " of device memory for the workspace (" + describe_plan(plan_) + ") failed on device " +
-            std::to_string(device_) + ": out of memory, " + human_bytes(static_cast<int64_t>(free_now)) +
-            " free of " + human_bytes(static_cast<int64_t>(total)) +
-            ". The context stays released with its plan" +
-            (contents_kept_ ? " and the workspace's contents in host memory" : ""),
-        bytes, static_cast<int64_t>(free_now), static_cast<int64_t>(total), plan_.budget_bytes, -1, -1),
-        Remedy::FreeMemoryThenRetake);
-  }
-  released_ = false;
-  contents_kept_ = false;
-  set_released_range(false);
 }
 
 void InferenceContext::advance_tokens(int64_t n) {

@@ -1,5 +1,5 @@
 // The one switch from a DType code to its C++ element type, for the host code that launches
-// kernels (dropout.cu, gemm_kernels.cu). Internal to cuda/src.
+// kernels (dropout_kernels.cu, gemm_kernels.cu). Internal to cuda/src.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,5 +1,6 @@
 // Device side of the graph draws (graph_rng.hpp): how a kernel captured at a call site reads its
-// Philox state at run time. Included by the kernels that draw (dropout.cu) and by graph_rng.cu.
+// Philox state at run time. Included by the kernels that draw (through dropout_philox.cuh) and
+// by graph_rng.cu.
 #pragma once
 
 #include <cuda/atomic>

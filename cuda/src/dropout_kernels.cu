@@ -17,88 +17,40 @@
 // a scalar path: one thread per 32-element group (one mask word). Both paths compute each element
 // from (seed, offset, i, p) alone, so they agree bit for bit and the launch shape never shows in
 // the result.
-//
-// The Philox counter of element i is {offset/4, i/4} (128 bits); the key schedule and the first
-// round's product of the offset word are the same for every element and are computed once on
-// the host, so they reach the kernel through its parameter space (constant bank) and cost no
-// registers. Instead of forming curand's float and comparing it with p, the kernel compares the
-// 32-bit output with a host-computed threshold: the float is a non-decreasing function of the
-// output, so `u > p` is exactly `r >= threshold`.
-//
-// A call captured into a CUDA graph (graph_rng.hpp) cannot take its Philox inputs from the host:
-// they change at every replay. The same kernels are instantiated for a second source of inputs,
-// GraphPhiloxParams, from which each thread forms them at run time (the seed from the context's
-// header, the counter from the site's replay number, the site folded into the subsequence's top
-// word); the key schedule is then key + r * (W0, W1), one add per round, rather than 20 registers.
-// The last block to have read the state advances the site for the next replay (graph_rng.cuh:
-// arrive_and_advance), so a captured call is one kernel node. The eager instantiations take the
-// inputs from the parameter space exactly as before.
-#include "inferctx/dropout.hpp"
-
+//// Instead of forming curand's float and comparing it with p, the kernel compares the 32-bit
+// Philox output with a host-computed threshold: the float is a non-decreasing function of the
+// output, so `u > p` is exactly `r >= threshold`. The Philox inputs of a call, eager or captured,
+// and the Philox block itself are in dropout_philox.cuh; the argument checks and the values of p
+// that need no kernel are in dropout.cpp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cmath>
 #include <climits>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <string>
 
 #include "inferctx/cuda_check.hpp"
-#include "inferctx/errors.hpp"
+#include "inferctx/dropout.hpp"
 #include "inferctx/graph_rng.hpp"
-#include "inferctx/plan.hpp"
+#include "dropout_detail.hpp"
+#include "dropout_philox.cuh"
 #include "dtype_dispatch.hpp"
 #include "elem.cuh"
-#include "graph_rng.cuh"
 
 namespace inferctx {
 
 namespace {
 
-constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
-constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
-constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
-constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
-constexpr int kPhiloxRounds = 10;
+using detail::GraphPhiloxParams;
+using detail::PhiloxConstants;
+using detail::philox_block;
+using detail::philox_inputs;
 
 constexpr int kThreads = 256;          // threads per block
 constexpr int64_t kGroup = 32;         // elements per mask word
 constexpr int64_t kTile = 32 * kGroup; // elements per warp tile
 constexpr unsigned kFullWarp = 0xffffffffu;
-
-// Philox4x32-10 inputs shared by every element of one call.
-struct PhiloxConstants {
-  uint32_t key0[kPhiloxRounds];  // round r uses key + r * (W0, W1)
-  uint32_t key1[kPhiloxRounds];
-  uint32_t r1_x;  // round 1, counter word 1 and key word 0: ctr1 ^ key0
-  uint32_t r1_z;  // round 1: hi32(M0 * ctr0) ^ key1
-  uint32_t r1_w;  // round 1: lo32(M0 * ctr0)
-
-  __device__ __forceinline__ uint32_t k0(int r) const { return key0[r]; }
-  __device__ __forceinline__ uint32_t k1(int r) const { return key1[r]; }
-};
-
-// The same inputs formed in registers by each thread of a captured call (philox_inputs below).
-struct PhiloxRegisters {
-  uint32_t seed0, seed1;  // the key
-  uint32_t r1_x, r1_z, r1_w;
-
-  __device__ __forceinline__ uint32_t k0(int r) const { return seed0 + static_cast<uint32_t>(r) * kPhiloxW0; }
-  __device__ __forceinline__ uint32_t k1(int r) const { return seed1 + static_cast<uint32_t>(r) * kPhiloxW1; }
-};
-
-// What a captured call's kernel gets: where its site's state lives.
-struct GraphPhiloxParams {
-  const GraphRngHeader* header;
-  GraphRngSlot* slot;
-  uint64_t uid;
-  uint64_t counters_per_replay;  // the site's offset step / 4
-  uint64_t max_replays;          // graph_max_replays(step)
-  uint32_t site_word;            // site << 4: subsequence (site << 36) + i / 4 has top word site_word | hi32(i / 4)
-};
 
 // Source: PhiloxConstants (eager) or GraphPhiloxParams (captured).
 template <typename Source>
@@ -109,72 +61,10 @@ struct ForwardParams {
   int64_t n;
 };
 
-// The Philox inputs of a call: the parameter-space constants themselves (eager), or, for a
-// captured call, those of replay r of its site: counter (2^63 + step * r) / 4, key = the seed read
-// now, and the site's subsequence band folded into round 1's z word (z = r1_z ^ hi32(subsequence)
-// and site_word's bits are above those of hi32(i / 4) < 2^4). Every thread of the block calls it
-// (the captured form counts the block in the site's arrivals: a barrier).
-__device__ __forceinline__ const PhiloxConstants& philox_inputs(const PhiloxConstants& c) { return c; }
-
-__device__ __forceinline__ PhiloxRegisters philox_inputs(const GraphPhiloxParams& g) {
-  const detail::GraphDraw d = detail::read_graph_draw(g.header, g.slot, g.uid);
-  detail::arrive_and_advance(g.slot, g.uid, d, g.max_replays);
-  const uint64_t counter = kGraphOffsetBase / 4 + d.replay * g.counters_per_replay;
-  const uint32_t ctr0 = static_cast<uint32_t>(counter);
-  const uint32_t ctr1 = static_cast<uint32_t>(counter >> 32);
-  PhiloxRegisters k;
-  k.seed0 = static_cast<uint32_t>(d.seed);
-  k.seed1 = static_cast<uint32_t>(d.seed >> 32);
-  k.r1_x = ctr1 ^ k.seed0;
-  k.r1_z = __umulhi(kPhiloxM0, ctr0) ^ k.seed1 ^ g.site_word;
-  k.r1_w = kPhiloxM0 * ctr0;
-  return k;
-}
-
 struct ApplyParams {
   float scale;
   int64_t n;
 };
-
-PhiloxConstants make_philox_constants(uint64_t seed, uint64_t offset) {
-  PhiloxConstants c{};
-  const uint64_t counter = offset / 4;
-  const uint32_t ctr0 = static_cast<uint32_t>(counter);
-  const uint32_t ctr1 = static_cast<uint32_t>(counter >> 32);
-  for (int r = 0; r < kPhiloxRounds; ++r) {
-    c.key0[r] = static_cast<uint32_t>(seed) + static_cast<uint32_t>(r) * kPhiloxW0;
-    c.key1[r] = static_cast<uint32_t>(seed >> 32) + static_cast<uint32_t>(r) * kPhiloxW1;
-  }
-  const uint64_t product = static_cast<uint64_t>(kPhiloxM0) * ctr0;
-  c.r1_x = ctr1 ^ c.key0[0];
-  c.r1_z = static_cast<uint32_t>(product >> 32) ^ c.key1[0];
-  c.r1_w = static_cast<uint32_t>(product);
-  return c;
-}
-
-// Philox4x32-10 of counter {ctr0, ctr1, lo32(s), hi32(s)}: the first block of
-// curand_init(seed, s, offset) with offset % 4 == 0.
-template <typename Keys>
-__device__ __forceinline__ uint4 philox_block(const Keys& c, uint64_t s) {
-  const uint32_t s0 = static_cast<uint32_t>(s);
-  const uint32_t s1 = static_cast<uint32_t>(s >> 32);
-  uint32_t x = __umulhi(kPhiloxM1, s0) ^ c.r1_x;
-  uint32_t y = kPhiloxM1 * s0;
-  uint32_t z = c.r1_z ^ s1;
-  uint32_t w = c.r1_w;
-#pragma unroll
-  for (int r = 1; r < kPhiloxRounds; ++r) {
-    const uint32_t hi0 = __umulhi(kPhiloxM0, x);
-    const uint32_t lo0 = kPhiloxM0 * x;
-    const uint32_t hi1 = __umulhi(kPhiloxM1, z);
-    const uint32_t lo1 = kPhiloxM1 * z;
-    x = hi1 ^ y ^ c.k0(r);
-    y = lo1;
-    z = hi0 ^ w ^ c.k1(r);
-    w = lo0;
-  }
-  return make_uint4(x, y, z, w);
-}
 
 // Bit e set iff output e of the block is kept.
 __device__ __forceinline__ uint32_t keep_bits(uint4 r, uint32_t threshold) {
@@ -470,57 +360,7 @@ __global__ void __launch_bounds__(kThreads, ChunkShape<T>::kMinBlocks)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host side
-
-[[noreturn]] void invalid(const char* argument, const std::string& detail) {
-  throw ConfigError(argument, std::string(argument) + ": " + detail);
-}
-
-std::string p_text(double p) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.17g", p);
-  return buf;
-}
-
-void check_p(double p) {
-  if (std::isnan(p) || p < 0.0 || p > 1.0)
-    invalid("p", "got " + p_text(p) + "; the drop probability must be in [0, 1]");
-}
-
-void check_mask_mode(int mask_mode) {
-  if (mask_mode != static_cast<int>(MaskMode::None) && mask_mode != static_cast<int>(MaskMode::Bytes) &&
-      mask_mode != static_cast<int>(MaskMode::Bits))
-    invalid("mask_mode", "got code " + std::to_string(mask_mode) + "; valid: 0 (none), 1 (bytes), 2 (bits)");
-}
-
-void check_n(int64_t n, int64_t elem_bytes) {
-  if (n < 0) invalid("n", "got " + std::to_string(n) + "; the element count must be >= 0");
-  if (n > INT64_MAX / 16 / elem_bytes)
-    invalid("n", "got " + std::to_string(n) + "; the byte size of the array does not fit in 64 bits");
-}
-
-// curand's uniform float of a 32-bit output r: fl32(fl32(r) * 2^-32 + 2^-33). Formed in double,
-// where the sum is exact (at most 34 significant bits), then rounded once to float: the same
-// value as the float operations, whatever precision the host evaluates float expressions in.
-float curand_uniform_of(uint32_t r) {
-  const double scaled = static_cast<double>(static_cast<float>(r)) * 0x1p-32;
-  return static_cast<float>(scaled + 0x1p-33);
-}
-
-uintptr_t address(const void* p) { return reinterpret_cast<uintptr_t>(p); }
-
-bool overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
-  if (a_bytes == 0 || b_bytes == 0) return false;
-  return address(a) < address(b) + static_cast<uint64_t>(b_bytes) &&
-         address(b) < address(a) + static_cast<uint64_t>(a_bytes);
-}
-
-void check_pointer(const char* name, const void* p, int64_t alignment) {
-  if (p == nullptr) invalid(name, "is null with n > 0; pass a device pointer to the array");
-  if (address(p) % static_cast<uint64_t>(alignment) != 0)
-    invalid(name, "address " + std::to_string(address(p)) + " is not aligned to its element size (" +
-                      std::to_string(alignment) + " bytes)");
-}
+// Launchers
 
 // Threads a launch over n elements can use: a warp per unit of whole tiles, a thread per
 // remaining group (the scalar path: a thread per group).
@@ -583,128 +423,27 @@ void launch_apply(const void* grad, const void* mask, void* out, MaskMode mode, 
   }
 }
 
-// The mask of p == 0: every element kept. Bits: n / 8 bytes of ones, a partial byte, then zero
-// bytes up to the end of the last word (bit i of the little-endian words is bit i % 8 of byte i / 8).
-void fill_mask_all_kept(void* mask, int64_t n, MaskMode mode, cudaStream_t stream, int device) {
-  auto* bytes = static_cast<unsigned char*>(mask);
-  if (mode == MaskMode::Bytes) {
-    INFERCTX_CUDA(cudaMemsetAsync(bytes, 1, static_cast<size_t>(n), stream), device);
-  } else if (mode == MaskMode::Bits) {
-    const int64_t total = dropout_mask_bytes(n, static_cast<int>(mode));
-    int64_t done = n / 8;
-    if (done > 0) INFERCTX_CUDA(cudaMemsetAsync(bytes, 0xff, static_cast<size_t>(done), stream), device);
-    if (n % 8 != 0) {
-      INFERCTX_CUDA(cudaMemsetAsync(bytes + done, (1 << (n % 8)) - 1, 1, stream), device);
-      ++done;
-    }
-    if (total > done) INFERCTX_CUDA(cudaMemsetAsync(bytes + done, 0, static_cast<size_t>(total - done), stream), device);
-  }
-}
+uintptr_t address(const void* p) { return reinterpret_cast<uintptr_t>(p); }
 
-bool aligned16(const void* p) { return address(p) % 16 == 0; }
+// Whether the 16-byte path can take a call: both arrays aligned to 16 bytes, and a byte mask to
+// a chunk's V elements (a bit mask is written a 32-bit word per lane: its own alignment does).
+template <typename T>
+bool vectorizable(const void* a, const void* b, const void* mask, MaskMode mode) {
+  return address(a) % 16 == 0 && address(b) % 16 == 0 &&
+         (mode != MaskMode::Bytes || address(mask) % static_cast<uint64_t>(ChunkShape<T>::V) == 0);
+}
 
 }  // namespace
 
-int64_t dropout_mask_elements(int64_t n, int mask_mode) {
-  check_mask_mode(mask_mode);
-  if (n < 0) invalid("n", "got " + std::to_string(n) + "; the element count must be >= 0");
-  switch (static_cast<MaskMode>(mask_mode)) {
-    case MaskMode::Bytes: return n;
-    case MaskMode::Bits: return n / 32 + (n % 32 != 0 ? 1 : 0);
-    default: return 0;
-  }
-}
+namespace detail {
 
-int64_t dropout_mask_bytes(int64_t n, int mask_mode) {
-  const int64_t elements = dropout_mask_elements(n, mask_mode);
-  return mask_mode == static_cast<int>(MaskMode::Bits) ? elements * 4 : elements;
-}
-
-float dropout_scale(double p) {
-  check_p(p);
-  if (p == 1.0) return 0.0f;
-  return static_cast<float>(1.0 / (1.0 - p));
-}
-
-uint64_t dropout_keep_threshold(double p_in) {
-  check_p(p_in);
-  const float p = static_cast<float>(p_in);
-  // Smallest r in [0, 2^32] with uniform(r) > p, taking uniform(2^32) as +infinity.
-  uint64_t lo = 0, hi = uint64_t{1} << 32;
-  while (lo < hi) {
-    const uint64_t mid = lo + (hi - lo) / 2;
-    if (curand_uniform_of(static_cast<uint32_t>(mid)) > p) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  return lo;
-}
-
-void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
-                     uint64_t seed, uint64_t offset, cudaStream_t stream, int device, int max_blocks) {
-  dropout_forward(x, y, mask, n, dtype, p, mask_mode, PhiloxSource::host(seed, offset), stream, device, max_blocks);
-}
-
-void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
-                     const PhiloxSource& source, cudaStream_t stream, int device, int max_blocks) {
-  const int64_t elem = dtype_size(dtype);
-  check_n(n, elem);
-  check_mask_mode(mask_mode);
-  check_p(p);
-  if (!source.captured && source.offset % 4 != 0)
-    invalid("offset", "got " + std::to_string(source.offset) +
-                          "; it must be a multiple of 4 (one Philox counter gives 4 values; take it from "
-                          "increment_offset)");
-  if (source.captured) {
-    const GraphPhilox& g = source.graph;
-    if (g.header == nullptr || g.slot == nullptr || g.uid == 0 || g.site >= kGraphSites || g.step == 0 ||
-        g.step % 4 != 0 || g.step > kGraphMaxStep)
-      invalid("site", "is not a call site taken by GraphRng::capture (null state, uid 0, site past 2^28 or a step "
-                      "that is not a multiple of 4 in [4, 2^62])");
-    if (n > kGraphMaxElements)
-      invalid("n", "got " + std::to_string(n) + "; a call captured into a CUDA graph draws for at most 2^38 elements");
-  }
-  const MaskMode mode = static_cast<MaskMode>(mask_mode);
-  if (n == 0) return;
-  const int64_t bytes = n * elem;
-  const int64_t mask_bytes = dropout_mask_bytes(n, mask_mode);
-  check_pointer("x", x, elem);
-  check_pointer("y", y, elem);
-  if (x != y && overlaps(x, bytes, y, bytes))
-    invalid("y", "partly overlaps x; pass x itself (in place) or a separate array");
-  if (mode != MaskMode::None) {
-    check_pointer("mask", mask, mode == MaskMode::Bits ? 4 : 1);
-    if (overlaps(mask, mask_bytes, x, bytes) || overlaps(mask, mask_bytes, y, bytes))
-      invalid("mask", "overlaps x or y; the mask needs its own " + std::to_string(mask_bytes) + " bytes");
-  }
-
-  CurrentDeviceScope scoped(device);
-  const int dev = scoped.device();
-  // p rounded to float decides which elements are kept (the uniform is a float); a p that
-  // rounds to 0 or 1 keeps every element or none.
-  if (static_cast<float>(p) == 0.0f) {
-    if (x != y)
-      INFERCTX_CUDA(cudaMemcpyAsync(y, x, static_cast<size_t>(bytes), cudaMemcpyDefault, stream), dev);
-    fill_mask_all_kept(mask, n, mode, stream, dev);
-    return;
-  }
-  if (static_cast<float>(p) == 1.0f) {
-    INFERCTX_CUDA(cudaMemsetAsync(y, 0, static_cast<size_t>(bytes), stream), dev);
-    if (mode != MaskMode::None) INFERCTX_CUDA(cudaMemsetAsync(mask, 0, static_cast<size_t>(mask_bytes), stream), dev);
-    return;
-  }
-
-  const uint32_t threshold = static_cast<uint32_t>(dropout_keep_threshold(p));
-  const float scale = dropout_scale(p);
-  const int64_t chunk_elems = 16 / elem;
-  const bool vector = aligned16(x) && aligned16(y) &&
-                      (mode != MaskMode::Bytes || address(mask) % static_cast<uint64_t>(chunk_elems) == 0);
+void launch_dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, MaskMode mode,
+                            uint32_t threshold, float scale, const PhiloxSource& source, cudaStream_t stream,
+                            int device, int max_blocks) {
   const auto run = [&](const auto& P) {
-    detail::with_dtype(dtype, [&](auto tag) {
+    with_dtype(dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      launch_forward<T>(x, y, mask, mode, P, vector, stream, dev, max_blocks);
+      launch_forward<T>(x, y, mask, mode, P, vectorizable<T>(x, y, mask, mode), stream, device, max_blocks);
     });
   };
   if (!source.captured) {
@@ -730,42 +469,17 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
   run(P);  // its last block to read the site's state advances it: the next launch sees r + 1
 }
 
-void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, double p,
-                        int mask_mode, cudaStream_t stream, int device, int max_blocks) {
-  const int64_t elem = dtype_size(dtype);
-  check_n(n, elem);
-  check_mask_mode(mask_mode);
-  if (mask_mode == static_cast<int>(MaskMode::None))
-    invalid("mask_mode", "got 0 (none); apply_mask needs the mask of the forward call: 1 (bytes) or 2 (bits)");
-  check_p(p);
-  const MaskMode mode = static_cast<MaskMode>(mask_mode);
-  if (n == 0) return;
-  const int64_t bytes = n * elem;
-  const int64_t mask_bytes = dropout_mask_bytes(n, mask_mode);
-  check_pointer("grad", grad, elem);
-  check_pointer("out", out, elem);
-  check_pointer("mask", mask, mode == MaskMode::Bits ? 4 : 1);
-  if (grad != out && overlaps(grad, bytes, out, bytes))
-    invalid("out", "partly overlaps grad; pass grad itself (in place) or a separate array");
-  if (overlaps(mask, mask_bytes, out, bytes))
-    invalid("mask", "overlaps out; the mask needs its own " + std::to_string(mask_bytes) + " bytes");
-
-  CurrentDeviceScope scoped(device);
-  const int dev = scoped.device();
-  if (p == 1.0) {
-    INFERCTX_CUDA(cudaMemsetAsync(out, 0, static_cast<size_t>(bytes), stream), dev);
-    return;
-  }
+void launch_dropout_apply(const void* grad, const void* mask, void* out, int64_t n, int dtype, MaskMode mode,
+                          float scale, cudaStream_t stream, int device, int max_blocks) {
   ApplyParams P{};
-  P.scale = dropout_scale(p);
+  P.scale = scale;
   P.n = n;
-  const int64_t chunk_elems = 16 / elem;
-  const bool vector = aligned16(grad) && aligned16(out) &&
-                      (mode != MaskMode::Bytes || address(mask) % static_cast<uint64_t>(chunk_elems) == 0);
-  detail::with_dtype(dtype, [&](auto tag) {
+  with_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_apply<T>(grad, mask, out, mode, P, vector, stream, dev, max_blocks);
+    launch_apply<T>(grad, mask, out, mode, P, vectorizable<T>(grad, out, mask, mode), stream, device, max_blocks);
   });
 }
+
+}  // namespace detail
 
 }  // namespace inferctx
