@@ -62,7 +62,7 @@ class Event:
     def synchronize(self) -> None: ...
     def elapsed_ms(self, start: Event) -> float: ...
 
-# -- device views and pinned memory (pyx/_views.pxi) ----------------------------------------
+# -- device views and pinned memory (pyx/_views.pxi, pyx/_pinned.pxi) -----------------------
 
 _DLDevice = tuple[int, int]
 
