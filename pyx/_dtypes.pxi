@@ -42,21 +42,15 @@ cdef tuple _DTYPE_TABLE = (
     ("uint64", kDLUInt, 64, "<u8"),
     ("bool", kDLBool, 8, "|b1"),
 )
-cdef dict _DTYPE_ALIASES = {
-    "fp32": DT_FLOAT32, "f32": DT_FLOAT32, "float": DT_FLOAT32, "single": DT_FLOAT32,
-    "fp16": DT_FLOAT16, "f16": DT_FLOAT16, "half": DT_FLOAT16,
-    "bf16": DT_BFLOAT16,
-    "fp64": DT_FLOAT64, "f64": DT_FLOAT64, "double": DT_FLOAT64,
-    "byte": DT_UINT8, "bool_": DT_BOOL,
-}
 
 cdef uint8_t _DTYPE_DLPACK_CODE[NUM_DTYPES]
 cdef uint8_t _DTYPE_BITS[NUM_DTYPES]
 cdef int64_t _DTYPE_ITEMSIZE[NUM_DTYPES]
 cdef tuple _DTYPE_NAMES = tuple(row[0] for row in _DTYPE_TABLE)
 cdef tuple _DTYPE_TYPESTRS = tuple(row[3] for row in _DTYPE_TABLE)
+# name or alias (DTYPE_ALIASES, _coerce.pxi) -> index
 cdef dict _DTYPE_BY_NAME = {row[0]: i for i, row in enumerate(_DTYPE_TABLE)}
-_DTYPE_BY_NAME.update(_DTYPE_ALIASES)
+_DTYPE_BY_NAME.update({alias: _DTYPE_BY_NAME[name] for alias, name in DTYPE_ALIASES.items()})
 cdef dict _DTYPE_BY_DLPACK = {(row[1], row[2]): i for i, row in enumerate(_DTYPE_TABLE)}
 # typestr without its byte-order character ('<', '|' or '=') -> index
 cdef dict _DTYPE_BY_TYPESTR = {row[3][1:]: i for i, row in enumerate(_DTYPE_TABLE) if row[3]}

@@ -14,6 +14,7 @@ DTYPE_FLOAT32: int
 DTYPE_FLOAT16: int
 DTYPE_BFLOAT16: int
 DTYPE_ITEMSIZE: dict[int, int]
+DTYPE_ALIASES: dict[str, str]
 
 
 # -- planner (pyx/_planner.pxi) -------------------------------------------------------------
