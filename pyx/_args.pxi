@@ -2,6 +2,9 @@
 # that names the argument, the value it got and what is valid.
 
 from cpython.long cimport PyLong_AsLongLongAndOverflow
+from libc.stdint cimport int64_t, uint64_t
+
+from inferctx._decl_gpu cimport check_device_ordinal, current_device
 
 import operator as _operator
 

@@ -19,6 +19,18 @@ def _as_bool(value, argument):
     return _bool_arg(value, argument)
 
 
+# Other names of the element types, each to its canonical (NumPy and torch) name: the one table
+# of them. python/inferctx/dtypes.py takes the planner's from it through inferctx._plan, and
+# DeviceView's dtype table (_dtypes.pxi) all of them.
+DTYPE_ALIASES = {
+    "fp32": "float32", "f32": "float32", "float": "float32", "single": "float32",
+    "fp16": "float16", "f16": "float16", "half": "float16",
+    "bf16": "bfloat16",
+    "fp64": "float64", "f64": "float64", "double": "float64",
+    "byte": "uint8", "bool_": "bool",
+}
+
+
 def _name_of(dtype):
     """The name of a string, NumPy, torch, JAX or ml_dtypes dtype (None: not a dtype).
 

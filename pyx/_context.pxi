@@ -1,71 +1,15 @@
-# Part of _core.pyx: InferenceContext, the Python face of inferctx::InferenceContext.
+# Part of _core.pyx: InferenceContext, the Python face of inferctx::InferenceContext (made and
+# kept one per device by _context_registry.pxi).
 
-# device ordinal -> its InferenceContext; contexts live as long as the process, as in C++.
-cdef dict _contexts = {}
-# The class every context is made as: the public subclass once it has registered itself
-# through _set_context_class (python/inferctx/context.py), which adds what needs the Python
-# layer (argument coercion, WorkspacePlan, logging).
-cdef type _context_class = None
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libcpp.memory cimport shared_ptr, unique_ptr
+from libcpp.mutex cimport mutex
+from libcpp.utility cimport pair
 
-
-def _set_context_class(cls):
-    """Makes every context from now on an instance of `cls`, a subclass of InferenceContext."""
-    global _context_class
-    if not (isinstance(cls, type) and issubclass(cls, InferenceContext)):
-        raise TypeError(f"{cls!r} is not a subclass of inferctx._core.InferenceContext")
-    _context_class = cls
-
-
-cdef InferenceContext _context_of(object device):
-    """The context of `device` (None: the calling thread's current device)."""
-    cdef int d = 0
-    cdef int64_t n
-    cdef cudaError_t status
-    if device is None:
-        with nogil:
-            status = cudaGetDevice(&d)
-        if status != cudaSuccess:
-            with nogil:
-                cudaGetLastError()
-            return _create_context(-1)  # raises the runtime's error (NoCudaDeviceError, ...)
-    else:
-        n = _int_arg(device, "device")
-        if not 0 <= n < (1 << 31):
-            raise _ConfigError(f"device: got {device!r}; it must be a device ordinal >= 0 (or "
-                               f"None for the current device)", argument="device")
-        d = <int>n
-    found = _contexts.get(d)
-    if found is not None:
-        return <InferenceContext>found
-    return _create_context(d)
-
-
-cdef InferenceContext _create_context(int device):
-    cdef shared_ptr[CppInferenceContext] owner
-    with nogil:
-        owner = CppInferenceContext.instance(device)
-    cdef int d = owner.get().device()
-    found = _contexts.get(d)
-    if found is not None:
-        return <InferenceContext>found
-    cls = InferenceContext if _context_class is None else _context_class
-    cdef InferenceContext ctx = cls.__new__(cls)
-    ctx._owner = owner
-    ctx._c = owner.get()
-    ctx.device = d
-    cdef shared_ptr[DevicePool] pool
-    with nogil:
-        ctx._handshake.reset(new CppEvent(d, False))
-        # The context's streams live as long as the process: the pool may order frees after them.
-        pool = DevicePool.of(d)
-        pool.get().note_durable(ctx._c.own_stream())
-        pool.get().note_durable(ctx._c.comm_stream())
-    # Another thread may have made one meanwhile: every caller gets the same object.
-    stored = _contexts.setdefault(d, ctx)
-    if stored is ctx:
-        ctx._created(None if ctx._c.addresses_stable()
-                     else ctx._c.fallback_reason().decode("utf-8", "replace"))
-    return <InferenceContext>stored
+from inferctx._decl_gpu cimport (
+    CppEvent, CppInferenceContext, DeviceAllocation, check_cuda, cudaError_t, cudaEventRecord,
+    cudaEvent_t, cudaGetDevice, cudaSetDevice, cudaStreamWaitEvent, cudaStream_t, cudaSuccess)
+from inferctx._decl_planner cimport PlanRequest, WorkspacePlan
 
 
 cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t producer,
@@ -94,32 +38,6 @@ cdef bint _same_arguments(tuple a, tuple b):
         if x is not y and (type(x) is not type(y) or x != y):
             return False
     return True
-
-
-cdef dict _fields_of(const PlanRequest& r):
-    """The planner's request as the dict WorkspacePlan takes (the inverse of make_request)."""
-    return {
-        "num_layers": r.shape.num_layers,
-        "num_heads": r.shape.num_heads,
-        "hidden_dim": r.shape.hidden_dim,
-        "num_kv_heads": r.shape.num_kv_heads,
-        "head_dim": r.shape.head_dim,
-        "batch_size": r.batch_size,
-        "prompt_len": r.prompt_len,
-        "max_out_tokens": r.max_out_tokens,
-        "min_out_tokens": r.min_out_tokens,
-        "dtype": r.dtype,
-        "mp_size": r.mp_size,
-        "rank": r.rank,
-        "external_cache": r.external_cache,
-        "policy": r.policy,
-        "free_bytes": r.free_bytes,
-        "total_bytes": r.total_bytes,
-        "weights_bytes": r.weights_bytes,
-        "reserve_bytes": r.reserve_bytes if r.has_reserve else None,
-        "memory_limit_bytes": r.memory_limit_bytes if r.has_memory_limit else None,
-        "memory_fraction": r.memory_fraction if r.has_memory_fraction else None,
-    }
 
 
 cdef class _PlanMade:
@@ -216,7 +134,7 @@ cdef class InferenceContext:
         cdef _PlanMade made = _PlanMade.__new__(_PlanMade)
         made.plan = p
         made.args = self._last_args
-        made.request = _fields_of(p.request)
+        made.request = request_to_dict(p.request)
         made.result = plan_to_dict(p)
         return made
 

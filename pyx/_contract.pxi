@@ -23,6 +23,14 @@
 #   caller's stream after the work (what record_stream would give).
 # torch and CuPy are never imported here: their types are known once the caller imported them.
 
+from libc.stdint cimport int64_t, uintptr_t
+
+from inferctx._decl_dlpack cimport kDLCUDA, kDLCUDAManaged
+from inferctx._decl_gpu cimport (
+    cudaError_t, cudaGetLastError, cudaStreamCaptureStatus, cudaStreamCaptureStatusNone,
+    cudaStreamGetDevice, cudaStreamIsCapturing, cudaStreamLegacy, cudaStreamPerThread, cudaStream_t,
+    cudaSuccess, stream_is_on_device, stream_was_destroyed)
+
 import sys as _sys
 
 cdef enum:

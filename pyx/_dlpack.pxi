@@ -1,84 +1,25 @@
-# Part of _core.pyx: the DLPack 1.x ABI and the capsules that carry it (export and import).
-#
-# The structs are declared here rather than taken from dlpack.h. Their members, types and order
-# are those of the DLPack 1.x header, so the C compiler lays them out exactly as every other
-# DLPack user does (DLTensor is 48 bytes; the enum DLDeviceType is an int, hence int32_t).
+# Part of _core.pyx: the capsules that carry DLPack tensors (export and import). The DLPack 1.x
+# ABI comes from the vendored dlpack.h (_decl_dlpack.pxd).
 
 from cpython.bool cimport PyBool_Check
 from cpython.pycapsule cimport PyCapsule_New, PyCapsule_Destructor
 from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport free, malloc
+
+from inferctx._decl_dlpack cimport (
+    DLDeviceType, DLManagedTensor, DLManagedTensorVersioned, DLTensor, PyCapsule_SetName,
+    _capsule_is_valid, _capsule_pointer)
 
 # The error classes raised from here on (module-private names, not attributes of _core).
 cdef object _ConfigError = _errors.ConfigError
 cdef object _WorkspaceStateError = _errors.WorkspaceStateError
 
 
-cdef extern from "Python.h":
-    # Without exception checks: these run inside capsule destructors, which may not raise.
-    bint _capsule_is_valid "PyCapsule_IsValid"(PyObject* capsule, const char* name)
-    void* _capsule_pointer "PyCapsule_GetPointer"(PyObject* capsule, const char* name)
-    int PyCapsule_SetName(object capsule, const char* name) except -1
-
-
 cdef enum:
-    # DLDeviceType
-    kDLCPU = 1
-    kDLCUDA = 2
-    kDLCUDAHost = 3
-    kDLCUDAManaged = 13
-    # DLDataTypeCode
-    kDLInt = 0
-    kDLUInt = 1
-    kDLFloat = 2
-    kDLBfloat = 4
-    kDLBool = 6
-    # DLManagedTensorVersioned.flags
-    DLPACK_FLAG_BITMASK_READ_ONLY = 1
-    DLPACK_FLAG_BITMASK_IS_COPIED = 2
     # The DLPack version this module exports (it uses nothing newer than 1.0).
     DLPACK_EXPORT_MAJOR = 1
     DLPACK_EXPORT_MINOR = 0
-
-
-cdef struct DLDevice:
-    int32_t device_type
-    int32_t device_id
-
-
-cdef struct DLDataType:
-    uint8_t code
-    uint8_t bits
-    uint16_t lanes
-
-
-cdef struct DLTensor:
-    void* data
-    DLDevice device
-    int32_t ndim
-    DLDataType dtype
-    int64_t* shape
-    int64_t* strides
-    uint64_t byte_offset
-
-
-cdef struct DLManagedTensor:
-    DLTensor dl_tensor
-    void* manager_ctx
-    void (*deleter)(DLManagedTensor* self) noexcept nogil
-
-
-cdef struct DLPackVersion:
-    uint32_t major
-    uint32_t minor
-
-
-cdef struct DLManagedTensorVersioned:
-    DLPackVersion version
-    void* manager_ctx
-    void (*deleter)(DLManagedTensorVersioned* self) noexcept nogil
-    uint64_t flags
-    DLTensor dl_tensor
 
 
 # Capsule names of the DLPack Python specification (static storage, as it requires).
@@ -150,7 +91,7 @@ cdef object _export_capsule(object owner, void* data, int32_t device_type, int32
         legacy_tensor.deleter = _delete_managed
         tensor = &legacy_tensor.dl_tensor
     tensor.data = data
-    tensor.device.device_type = device_type
+    tensor.device.device_type = <DLDeviceType>device_type
     tensor.device.device_id = device_id
     tensor.ndim = <int32_t>ndim
     tensor.dtype.code = _DTYPE_DLPACK_CODE[dtype]

@@ -1,5 +1,7 @@
 # Included by _core.pyx and _plan.pyx: the C++ -> Python error translation.
 
+from inferctx._decl_errors cimport ErrorInfo, current_error_info
+
 # ErrorKind codes of cuda/include/inferctx/errors.hpp
 cdef dict _KIND_TO_CLASS = {
     1: _errors.ConfigError,
@@ -13,7 +15,8 @@ cdef dict _KIND_TO_CLASS = {
 }
 
 
-cdef int raise_inferctx_error() except -1:
+# `public` gives it the plain C name that _decl_errors.pxd declares for every `except +` handler.
+cdef public int raise_inferctx_error() except -1:
     """Handler for `except +raise_inferctx_error`: raises the Python twin of the C++ error.
 
     The Python class words the error's remedy (InferCtxError._from_core)."""

@@ -6,6 +6,12 @@
 # replay. Explicit (seed, offset) arguments are host values either way, so under capture every
 # replay of such a call draws the same numbers.
 
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+
+from inferctx._decl_gpu cimport (
+    CppInferenceContext, GraphRngStats, PhiloxSource, cudaStream_t, stream_capturing)
+from inferctx._decl_kernels cimport dropout_forward
+
 
 cdef int _dropout_launch(InferenceContext context, const void* x, void* y, void* mask, int64_t n,
                          int dtype, double p, int mode, bint fixed, uint64_t seed,

@@ -2,6 +2,14 @@
 # (a DeviceView, a DLPack exporter, a __cuda_array_interface__ exporter) is reduced to a
 # pointer, a shape, strides in elements, a dtype and an owner that keeps the memory alive.
 
+from libc.stdint cimport int64_t, uintptr_t
+
+from inferctx._decl_dlpack cimport (
+    DLPACK_FLAG_BITMASK_READ_ONLY, DLTensor, kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged)
+from inferctx._decl_gpu cimport (
+    check_cuda, cudaError_t, cudaMemoryTypeDevice, cudaMemoryTypeManaged, cudaPointerAttributes,
+    cudaPointerGetAttributes, cudaSuccess)
+
 cdef class CudaArray:
     """A CUDA array as a kernel takes it; ``owner`` keeps the memory alive.
 

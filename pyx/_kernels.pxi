@@ -1,6 +1,14 @@
 # Part of _core.pyx: the dropout kernel and the GEMM glue over the context's handle and stream.
 
 from libc.math cimport isnan
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libcpp.vector cimport vector as cpp_vector
+
+from inferctx._decl_gemm cimport (
+    GemmCacheEntry, GemmProblem, GemmTuneOptions, GemmTuneResult, clear_gemm_cache,
+    export_gemm_cache, gemm, import_gemm_cache, tune_gemm)
+from inferctx._decl_gpu cimport CppInferenceContext, cudaStreamLegacy, cudaStream_t
+from inferctx._decl_kernels cimport dropout_apply_mask, dropout_mask_elements
 
 # inferctx::MaskMode codes. (inferctx::DType codes are the dtype indices DT_FLOAT32, DT_FLOAT16
 # and DT_BFLOAT16.)

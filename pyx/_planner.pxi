@@ -1,5 +1,7 @@
 # Part of _core.pyx: the planner's bindings (_planner_api.pxi) and the device queries.
 
+from inferctx._decl_gpu cimport MemoryInfo, current_device, device_count, memory_info
+
 include "_planner_api.pxi"
 
 

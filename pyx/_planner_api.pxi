@@ -1,5 +1,13 @@
 # Bindings of the C++ workspace planner (pure host code). Included by _plan.pyx and, through
-# _planner.pxi, by _core.pyx (whose gen_workspace builds requests with make_request).
+# _planner.pxi, by _core.pyx (whose gen_workspace builds requests with make_request and hands
+# them back to the Python half with request_to_dict).
+
+from libc.stdint cimport int64_t
+
+from inferctx._decl_planner cimport (
+    DType, PlanRequest, Region, WorkspacePlan, check_request, default_reserve, dtype_size,
+    human_bytes, max_batch_size, max_out_tokens_for, plan_workspace, region_at, region_count,
+    weights_bytes_for, workspace_bytes_for)
 
 cdef PlanRequest make_request(dict f) except *:
     """The C++ request of coerced fields (planning._request_fields: every int fits int64_t)."""
@@ -28,6 +36,32 @@ cdef PlanRequest make_request(dict f) except *:
     r.has_memory_fraction = f["memory_fraction"] is not None
     r.memory_fraction = 1.0 if f["memory_fraction"] is None else f["memory_fraction"]
     return r
+
+
+cdef dict request_to_dict(const PlanRequest& r):
+    """The planner's request as the dict WorkspacePlan takes (the inverse of make_request)."""
+    return {
+        "num_layers": r.shape.num_layers,
+        "num_heads": r.shape.num_heads,
+        "hidden_dim": r.shape.hidden_dim,
+        "num_kv_heads": r.shape.num_kv_heads,
+        "head_dim": r.shape.head_dim,
+        "batch_size": r.batch_size,
+        "prompt_len": r.prompt_len,
+        "max_out_tokens": r.max_out_tokens,
+        "min_out_tokens": r.min_out_tokens,
+        "dtype": r.dtype,
+        "mp_size": r.mp_size,
+        "rank": r.rank,
+        "external_cache": r.external_cache,
+        "policy": r.policy,
+        "free_bytes": r.free_bytes,
+        "total_bytes": r.total_bytes,
+        "weights_bytes": r.weights_bytes,
+        "reserve_bytes": r.reserve_bytes if r.has_reserve else None,
+        "memory_limit_bytes": r.memory_limit_bytes if r.has_memory_limit else None,
+        "memory_fraction": r.memory_fraction if r.has_memory_fraction else None,
+    }
 
 
 cdef dict plan_to_dict(const WorkspacePlan& p):

@@ -2,6 +2,11 @@
 # what inferctx allocates itself, and DeviceViews made in it.
 
 from libcpp.cast cimport dynamic_cast
+from libc.stdint cimport int64_t, uintptr_t
+from libcpp.memory cimport shared_ptr
+
+from inferctx._decl_gpu cimport (
+    DeviceAllocation, DevicePool, PoolStats, PooledAllocation, PooledAllocationPtr, cudaStream_t)
 
 
 cdef class MemoryPool:

@@ -5,6 +5,9 @@
 # raise WorkspaceStateError instead, until the retake. (Under the cudaMalloc fallback a view
 # keeps its own allocation alive and stays usable; nothing is refused.)
 
+from libc.stdint cimport int64_t, uintptr_t
+
+
 # device -> InferenceContext, for the contexts whose workspace is released under virtual memory.
 # Empty in the common case, so the check on every kernel operand costs one test.
 cdef dict _released_contexts = {}

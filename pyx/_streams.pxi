@@ -1,6 +1,13 @@
 # Part of _core.pyx: CUDA streams (owned or borrowed) and events, and the stream objects of
 # other libraries turned into handles.
 
+from libc.stdint cimport uintptr_t
+from libcpp.memory cimport unique_ptr
+
+from inferctx._decl_gpu cimport (
+    CppEvent, CppStream, cudaStreamLegacy, cudaStreamPerThread, cudaStream_t)
+
+
 cdef str _STREAM_LIKE = (
     "an inferctx.Stream, a torch.cuda.Stream, a cupy.cuda.Stream, an object with "
     "__cuda_stream__, or a stream handle (int)")

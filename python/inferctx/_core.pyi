@@ -14,6 +14,7 @@ DTYPE_FLOAT32: int
 DTYPE_FLOAT16: int
 DTYPE_BFLOAT16: int
 DTYPE_ITEMSIZE: dict[int, int]
+DTYPE_ALIASES: dict[str, str]
 
 
 # -- planner (pyx/_planner.pxi) -------------------------------------------------------------
@@ -62,7 +63,7 @@ class Event:
     def synchronize(self) -> None: ...
     def elapsed_ms(self, start: Event) -> float: ...
 
-# -- device views and pinned memory (pyx/_views.pxi) ----------------------------------------
+# -- device views and pinned memory (pyx/_views.pxi, pyx/_pinned.pxi) -----------------------
 
 _DLDevice = tuple[int, int]
 

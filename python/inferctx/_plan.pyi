@@ -12,6 +12,7 @@ DTYPE_FLOAT32: int
 DTYPE_FLOAT16: int
 DTYPE_BFLOAT16: int
 DTYPE_ITEMSIZE: dict[int, int]
+DTYPE_ALIASES: dict[str, str]
 
 def _plan(fields: dict[str, Any]) -> dict[str, Any]: ...
 def _check(fields: dict[str, Any]) -> None: ...

@@ -12,11 +12,10 @@ FLOAT32, FLOAT16, BFLOAT16 = _plan.DTYPE_FLOAT32, _plan.DTYPE_FLOAT16, _plan.DTY
 NAMES = {FLOAT32: "float32", FLOAT16: "float16", BFLOAT16: "bfloat16"}
 ITEMSIZE = dict(_plan.DTYPE_ITEMSIZE)
 
-_ALIASES = {
-    "float32": FLOAT32, "fp32": FLOAT32, "f32": FLOAT32, "float": FLOAT32, "single": FLOAT32,
-    "float16": FLOAT16, "fp16": FLOAT16, "f16": FLOAT16, "half": FLOAT16,
-    "bfloat16": BFLOAT16, "bf16": BFLOAT16,
-}
+# The planner's dtypes by name and by alias ('fp16', 'half', ...: the compiled layer's one table).
+_ALIASES = {name: code for code, name in NAMES.items()}
+_ALIASES.update({alias: _ALIASES[name] for alias, name in _plan.DTYPE_ALIASES.items()
+                 if name in _ALIASES})
 
 VALID = "'float32' ('fp32'), 'float16' ('fp16', 'half') or 'bfloat16' ('bf16')"
 

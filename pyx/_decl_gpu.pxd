@@ -1,12 +1,17 @@
-# extern declarations of inferctx_core's GPU resources (cuda/include/inferctx: memory, stream,
-# blas, philox, graph_rng, context, cuda_check) and of the few CUDA runtime calls pyx/ makes
-# itself (each checked with check_cuda). Included by _core.pxd. The C++ classes whose names the
-# Python classes take are declared as Cpp*.
+# cython: language_level=3
+# extern declarations of inferctx_core's GPU resources (cuda/include/inferctx: cuda_check, memory,
+# stream, blas, philox, graph_rng, context, pool) and of the few CUDA runtime calls pyx/ makes
+# itself (each checked with check_cuda). The C++ classes whose names the Python classes take are
+# declared as Cpp*.
 
-from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t
-from libcpp.memory cimport shared_ptr, unique_ptr
-from libcpp.mutex cimport mutex
+from libc.stdint cimport int64_t, uint64_t
+from libcpp cimport bool
+from libcpp.memory cimport shared_ptr
+from libcpp.string cimport string
 from libcpp.utility cimport pair
+
+from inferctx._decl_errors cimport raise_inferctx_error
+from inferctx._decl_planner cimport PlanRequest, WorkspacePlan
 
 
 cdef extern from "cuda_runtime_api.h" nogil:
@@ -50,6 +55,13 @@ cdef extern from "cublas_v2.h" nogil:
 
 
 cdef extern from "inferctx/cuda_check.hpp" namespace "inferctx" nogil:
+    cdef cppclass MemoryInfo:
+        int64_t free_bytes
+        int64_t total_bytes
+
+    int device_count() except +raise_inferctx_error
+    int current_device() except +raise_inferctx_error
+    MemoryInfo memory_info(int device) except +raise_inferctx_error
     void check_cuda(cudaError_t status, const char* call, int device) except +raise_inferctx_error
     void check_device_ordinal(int device) except +raise_inferctx_error
 

@@ -1,23 +1,12 @@
-# extern declarations of inferctx_plan (cuda/include/inferctx): errors and the planner, pure
-# host code. Included by _plan.pxd and, through _decl_plan.pxi, by _core.pxd.
+# cython: language_level=3
+# extern declarations of cuda/include/inferctx/plan.hpp (in inferctx_plan): the planner, pure
+# host code.
 
-cdef extern from "inferctx/errors.hpp" namespace "inferctx" nogil:
-    cdef cppclass ErrorInfo:
-        int kind
-        string message
-        int remedy
-        int remedy_device
-        string argument
-        int64_t requested_bytes, free_bytes, total_bytes, budget_bytes
-        int64_t max_batch_size, max_out_tokens
-        int64_t current, requested, limit
-        int64_t views_alive
-        string call
-        string code_name
-        int code
-        int device
+from libc.stdint cimport int64_t
+from libcpp cimport bool
+from libcpp.string cimport string
 
-    ErrorInfo current_error_info()
+from inferctx._decl_errors cimport raise_inferctx_error
 
 
 cdef extern from "inferctx/plan.hpp" namespace "inferctx" nogil:
