@@ -46,7 +46,8 @@ def test_planning_modules_pass_mypy_strict(tmp_path):
     # a copy of the installed package's sources and stubs, checked as sources
     copy = tmp_path / "inferctx"
     shutil.copytree(Path(inferctx.__file__).parent, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    modules = ("__init__", "errors", "dtypes", "planning", "presets", "cli", "_libs")
+    modules = ("__init__", "errors", "dtypes", "planning", "_plan_args", "_model_shape", "_workspace_plan",
+               "presets", "cli", "_libs")
     r = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-incremental",
                         *(f"inferctx/{m}.py" for m in modules)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
