@@ -13,3 +13,4 @@ cdef int raise_inferctx_error() except -1
 include "_decl_plan.pxi"
 include "_decl_gpu.pxi"
 include "_decl_kernels.pxi"
+include "_decl_gemm.pxi"
