@@ -109,15 +109,8 @@ def _torch_gemm(int ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
     cdef int device = a.get_device()
     if device < 0 or b.get_device() != device or (out is not None and out.get_device() != device):
         return NotImplemented
-    cdef InferenceContext context
-    if ctx is None:
-        found = _contexts.get(device)
-        if found is None:
-            return NotImplemented
-        context = <InferenceContext>found
-    elif isinstance(ctx, InferenceContext) and (<InferenceContext>ctx).device == device:
-        context = <InferenceContext>ctx
-    else:
+    cdef InferenceContext context = _fast_path_context(ctx, device)
+    if context is None:
         return NotImplemented
     if out is None:
         key = (ndim, trans_a, trans_b, _torch_to_dt.get(a.dtype), a.shape, a.stride(),

@@ -185,6 +185,18 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     return y, m
 
 
+cdef InferenceContext _fast_path_context(object ctx, int device):
+    """The context a compiled torch path runs on: ctx when it is the context of `device`, the
+    existing context of `device` when ctx is None; None otherwise (the general path then takes
+    the call, making the context or saying what is wrong)."""
+    if ctx is None:
+        found = _contexts.get(device)
+        return None if found is None else <InferenceContext>found
+    if isinstance(ctx, InferenceContext) and (<InferenceContext>ctx).device == device:
+        return <InferenceContext>ctx
+    return None
+
+
 cdef object _torch_dropout(object x, object p, object ctx):
     """dropout(x, p) of a torch tensor with the default arguments, in compiled code: what the
     general path does for it (the same checks, results and kernel) without its generality.
@@ -205,15 +217,8 @@ cdef object _torch_dropout(object x, object p, object ctx):
     cdef int device = x.get_device()
     if device < 0:
         return None
-    cdef InferenceContext context
-    if ctx is None:
-        found = _contexts.get(device)
-        if found is None:
-            return None
-        context = <InferenceContext>found
-    elif isinstance(ctx, InferenceContext) and (<InferenceContext>ctx).device == device:
-        context = <InferenceContext>ctx
-    else:
+    cdef InferenceContext context = _fast_path_context(ctx, device)
+    if context is None:
         return None
     cdef int64_t n = x.numel()
     if n == 0 or not x.is_contiguous():

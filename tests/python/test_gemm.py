@@ -556,6 +556,19 @@ def test_gpu_autotune_then_gemm_and_cache_file(ctx, tmp_path, capsys):
     gm.clear_gemm_cache()
 
 
+class _ReadOnly:
+    """A tensor's __cuda_array_interface__ with its read-only flag set."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    @property
+    def __cuda_array_interface__(self):
+        interface = dict(self.tensor.__cuda_array_interface__)
+        interface["data"] = (interface["data"][0], True)
+        return interface
+
+
 @pytest.mark.gpu
 def test_gpu_errors(ctx):
     torch = _torch()
@@ -582,6 +595,9 @@ def test_gpu_errors(ctx):
     with pytest.raises(ConfigError) as info:
         gm.gemm(_rand((4, 10), "float32")[:, ::2], _rand((5, 7), "float32"))
     assert info.value.argument == "a"
+    with pytest.raises(ConfigError) as info:  # out through an interface that says read-only
+        gm.gemm(a, _rand((5, 7), "float32"), out=_ReadOnly(_rand((4, 7), "float32")))
+    assert info.value.argument == "out" and "read-only" in str(info.value)
     with pytest.raises(ConfigError):
         gm.gemm(_rand((4, 5), "float64"), _rand((5, 7), "float64"))
 
