@@ -1,8 +1,8 @@
 # cython: language_level=3
 # extern declarations of inferctx_core's GEMM (cuda/include/inferctx/gemm.hpp): the problem, the
-# call, the tuner and the algorithm cache.
+# layout a call's operands make, running it, the tuner and the algorithm cache.
 
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libcpp cimport bool
 from libcpp.string cimport string
 from libcpp.vector cimport vector as cpp_vector
@@ -44,8 +44,28 @@ cdef extern from "inferctx/gemm.hpp" namespace "inferctx" nogil:
         cpp_vector[uint64_t] algo
         double time_ms
 
+    cdef cppclass GemmOperand:
+        int dtype
+        string dtype_name
+        cpp_vector[int64_t] shape
+        cpp_vector[int64_t] strides
+
+    cdef cppclass GemmLayout:
+        GemmProblem problem
+        bool swap
+        cpp_vector[int64_t] out_shape
+
+    GemmProblem packed_gemm_problem(int dtype, int64_t m, int64_t n, int64_t k, int64_t batch,
+                                    bool trans_a, bool trans_b, bool tf32) except +raise_inferctx_error
+    GemmProblem normalized_gemm_problem(const GemmProblem& problem)
+    GemmLayout gemm_layout(int ndim, bool trans_a, bool trans_b, const GemmOperand& a,
+                           const GemmOperand& b, const GemmOperand* out) except +raise_inferctx_error
+    void check_gemm_addresses(const GemmLayout& layout, uintptr_t a, uintptr_t b,
+                              uintptr_t c) except +raise_inferctx_error
     void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem, const void* a,
               const void* b, void* c, float alpha, float beta) except +raise_inferctx_error
+    void gemm(CublasHandle& handle, cudaStream_t stream, const GemmLayout& layout, const void* a,
+              const void* b, void* c, float alpha, float beta, bool tf32) except +raise_inferctx_error
     GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
                              const GemmTuneOptions& options) except +raise_inferctx_error
     cpp_vector[GemmCacheEntry] export_gemm_cache(bool tuned_only) except +raise_inferctx_error

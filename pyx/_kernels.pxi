@@ -1,13 +1,9 @@
-# Part of _core.pyx: the dropout kernel and the GEMM glue over the context's handle and stream.
+# Part of _core.pyx: the dropout kernels (dropout, apply_mask); GEMM is in _gemm.pxi.
 
 from libc.math cimport isnan
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
-from libcpp.vector cimport vector as cpp_vector
 
-from inferctx._decl_gemm cimport (
-    GemmCacheEntry, GemmProblem, GemmTuneOptions, GemmTuneResult, clear_gemm_cache,
-    export_gemm_cache, gemm, import_gemm_cache, tune_gemm)
-from inferctx._decl_gpu cimport CppInferenceContext, cudaStreamLegacy, cudaStream_t
+from inferctx._decl_gpu cimport cudaStreamLegacy, cudaStream_t
 from inferctx._decl_kernels cimport dropout_apply_mask, dropout_mask_elements
 
 # inferctx::MaskMode codes. (inferctx::DType codes are the dtype indices DT_FLOAT32, DT_FLOAT16
@@ -193,6 +189,18 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     return y, m
 
 
+cdef InferenceContext _fast_path_context(object ctx, int device):
+    """The context a compiled torch path runs on: ctx when it is the context of `device`, the
+    existing context of `device` when ctx is None; None otherwise (the general path then takes
+    the call, making the context or saying what is wrong)."""
+    if ctx is None:
+        found = _contexts.get(device)
+        return None if found is None else <InferenceContext>found
+    if isinstance(ctx, InferenceContext) and (<InferenceContext>ctx).device == device:
+        return <InferenceContext>ctx
+    return None
+
+
 cdef object _torch_dropout(object x, object p, object ctx):
     """dropout(x, p) of a torch tensor with the default arguments, in compiled code: what the
     general path does for it (the same checks, results and kernel) without its generality.
@@ -213,15 +221,8 @@ cdef object _torch_dropout(object x, object p, object ctx):
     cdef int device = x.get_device()
     if device < 0:
         return None
-    cdef InferenceContext context
-    if ctx is None:
-        found = _contexts.get(device)
-        if found is None:
-            return None
-        context = <InferenceContext>found
-    elif isinstance(ctx, InferenceContext) and (<InferenceContext>ctx).device == device:
-        context = <InferenceContext>ctx
-    else:
+    cdef InferenceContext context = _fast_path_context(ctx, device)
+    if context is None:
         return None
     cdef int64_t n = x.numel()
     if n == 0 or not x.is_contiguous():
@@ -279,204 +280,3 @@ cdef uintptr_t _result_ptr(object r) except? 0:
     if _torch_tensor is not None and isinstance(r, _torch_tensor):
         return <uintptr_t>r.data_ptr()
     return <uintptr_t>r.data.ptr  # cupy.ndarray
-
-
-def _address_of(r):
-    """The device address (int) of a result that a _Call made."""
-    return _result_ptr(r)
-
-
-# -- GEMM glue for python/inferctx/gemm.py --------------------------------------------------------
-
-cdef dict _gemm_plans = None       # gemm.py's problems by call signature (its _plans)
-
-
-def _set_gemm_plans(dict plans):
-    """Shares gemm.py's table of worked-out problems with the torch fast path below."""
-    global _gemm_plans
-    _gemm_plans = plans
-
-
-cdef object _torch_code(object dtype):
-    code = _torch_to_dt.get(dtype)
-    return code if code is not None and code <= DT_BFLOAT16 else None
-
-
-def _torch_gemm(int ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
-    """gemm / bmm of torch tensors on torch's current stream (gemm.py calls it first when no
-    stream= is given), when nothing in the call needs more than reading the tensors: the problem was worked out before (gemm.py's table), the devices
-    agree with each other and ctx, and out (if given) overlaps no input. Returns NotImplemented
-    otherwise (also while a workspace is released), and gemm.py's path (which says what is
-    wrong) takes the call."""
-    if _torch_to_dt is None:
-        _refresh_packages()
-    if (_gemm_plans is None or _torch_to_dt is None or _released_contexts
-            or not isinstance(a, _torch_tensor)
-            or not isinstance(b, _torch_tensor)
-            or (out is not None and not isinstance(out, _torch_tensor))
-            or type(alpha) is not float
-            or type(beta) is not float
-            or (trans_a is not True and trans_a is not False)
-            or (trans_b is not True and trans_b is not False)
-            or (tf32 is not True and tf32 is not False)
-            or (out is None and beta != 0.0)):
-        return NotImplemented
-    cdef int device = a.get_device()
-    if device < 0 or b.get_device() != device or (out is not None and out.get_device() != device):
-        return NotImplemented
-    cdef InferenceContext context
-    if ctx is None:
-        found = _contexts.get(device)
-        if found is None:
-            return NotImplemented
-        context = <InferenceContext>found
-    elif isinstance(ctx, InferenceContext) and (<InferenceContext>ctx).device == device:
-        context = <InferenceContext>ctx
-    else:
-        return NotImplemented
-    if out is None:
-        key = (ndim, trans_a, trans_b, _torch_code(a.dtype), a.shape, a.stride(),
-               _torch_code(b.dtype), b.shape, b.stride(), None, None, None)
-    else:
-        key = (ndim, trans_a, trans_b, _torch_code(a.dtype), a.shape, a.stride(),
-               _torch_code(b.dtype), b.shape, b.stride(), _torch_code(out.dtype), out.shape,
-               out.stride())
-    plan = _gemm_plans.get(key)
-    if plan is None:
-        return NotImplemented
-    cdef GemmProblem p
-    cdef bint swap
-    cdef int64_t span_a, span_b, span_c
-    (p.dtype, p.m, p.n, p.k, p.batch, p.lda, p.ldb, p.ldc, p.stride_a, p.stride_b, p.stride_c,
-     p.trans_a, p.trans_b, swap, expected, span_a, span_b, span_c, _, _) = plan
-    p.tf32 = tf32
-    cdef uintptr_t a_ptr = a.data_ptr()
-    cdef uintptr_t b_ptr = b.data_ptr()
-    cdef uintptr_t c_ptr
-    if out is None:
-        out = a.new_empty(expected)
-        c_ptr = out.data_ptr()
-    else:
-        c_ptr = out.data_ptr()
-        if ((a_ptr < c_ptr + span_c and c_ptr < a_ptr + span_a)
-                or (b_ptr < c_ptr + span_c and c_ptr < b_ptr + span_b)):
-            return NotImplemented  # gemm.py decides whether the overlap is allowed
-    if swap:
-        a_ptr, b_ptr = b_ptr, a_ptr
-    cdef object raw = _torch_raw_stream(device)
-    cdef uintptr_t stream = <uintptr_t>cudaStreamLegacy if raw == 0 else <uintptr_t>raw
-    cdef CppInferenceContext* cx = context._c
-    cdef float fa = alpha
-    cdef float fb = beta
-    with nogil:
-        gemm(cx.cublas(), <cudaStream_t>stream, p, <const void*>a_ptr, <const void*>b_ptr,
-             <void*>c_ptr, fa, fb)
-    return out
-
-
-cdef GemmProblem _gemm_problem(int dtype, bint trans_a, bint trans_b, int64_t m, int64_t n, int64_t k,
-                               int64_t batch, int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a,
-                               int64_t stride_b, int64_t stride_c, bint tf32) noexcept:
-    cdef GemmProblem p
-    p.dtype = dtype
-    p.trans_a = trans_a
-    p.trans_b = trans_b
-    p.m, p.n, p.k, p.batch = m, n, k, batch
-    p.lda, p.ldb, p.ldc = lda, ldb, ldc
-    p.stride_a, p.stride_b, p.stride_c = stride_a, stride_b, stride_c
-    p.tf32 = tf32
-    return p
-
-
-def _gemm(InferenceContext ctx, uintptr_t stream, uintptr_t a, uintptr_t b, uintptr_t c, int dtype,
-          bint trans_a, bint trans_b, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t lda,
-          int64_t ldb, int64_t ldc, int64_t stride_a, int64_t stride_b, int64_t stride_c,
-          float alpha, float beta, bint tf32):
-    """inferctx::gemm on the context's cuBLAS handle, on `stream` (handles and pointers as ints)."""
-    cdef GemmProblem p = _gemm_problem(dtype, trans_a, trans_b, m, n, k, batch, lda, ldb, ldc,
-                                       stride_a, stride_b, stride_c, tf32)
-    cdef CppInferenceContext* cx = ctx._c
-    with nogil:
-        gemm(cx.cublas(), <cudaStream_t>stream, p, <const void*>a, <const void*>b, <void*>c, alpha,
-             beta)
-
-
-def _gemm_tune(InferenceContext ctx, int dtype, bint trans_a, bint trans_b, int64_t m, int64_t n,
-               int64_t k, int64_t batch, int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a,
-               int64_t stride_b, int64_t stride_c, bint tf32, int max_algorithms, int warmup,
-               int repeats):
-    """inferctx::tune_gemm on the context's handle, on ctx.stream; the GemmTuneResult as a dict."""
-    cdef GemmProblem p = _gemm_problem(dtype, trans_a, trans_b, m, n, k, batch, lda, ldb, ldc,
-                                       stride_a, stride_b, stride_c, tf32)
-    cdef GemmTuneOptions options
-    options.max_algorithms = max_algorithms
-    options.warmup = warmup
-    options.repeats = repeats
-    cdef CppInferenceContext* cx = ctx._c
-    cdef GemmTuneResult r
-    cdef uintptr_t stream = _ctx_stream(ctx)
-    with nogil:
-        r = tune_gemm(cx.cublas(), <cudaStream_t>stream, p, options)
-    return {
-        "backend": r.backend, "algo_index": r.algo_index, "algo": [w for w in r.algo],
-        "algo_id": r.algo_id, "tile_id": r.tile_id, "stages_id": r.stages_id, "splitk": r.splitk,
-        "default_ms": r.default_ms, "best_ms": r.best_ms, "candidates": r.candidates,
-        "valid": r.valid, "rotated_sets": r.rotated_sets,
-    }
-
-
-cdef dict _problem_dict(const GemmProblem& p):
-    return {"dtype": p.dtype, "trans_a": p.trans_a, "trans_b": p.trans_b, "m": p.m, "n": p.n,
-            "k": p.k, "batch": p.batch, "lda": p.lda, "ldb": p.ldb, "ldc": p.ldc,
-            "stride_a": p.stride_a, "stride_b": p.stride_b, "stride_c": p.stride_c, "tf32": p.tf32}
-
-
-def _gemm_cache_export(tuned_only):
-    """The GEMM algorithm cache as a list of dicts (GemmCacheEntry fields)."""
-    cdef bint only = _bool_arg(tuned_only, "tuned_only")
-    cdef cpp_vector[GemmCacheEntry] entries
-    with nogil:
-        entries = export_gemm_cache(only)
-    out = []
-    cdef size_t i
-    cdef GemmCacheEntry* e
-    for i in range(entries.size()):
-        e = &entries[i]
-        out.append({
-            "device": e.device, "device_name": e.device_name.decode("utf-8", "replace"),
-            "cublas_version": e.cublas_version, "problem": _problem_dict(e.problem),
-            "align_a": e.align_a, "align_b": e.align_b, "align_c": e.align_c,
-            "backend": e.backend, "algo": [w for w in e.algo], "time_ms": e.time_ms,
-        })
-    return out
-
-
-def _gemm_cache_import(entries):
-    """Adds cache entries (dicts as _gemm_cache_export gives); returns how many were taken."""
-    cdef cpp_vector[GemmCacheEntry] v
-    cdef GemmCacheEntry e
-    for d in entries:
-        e.device = d["device"]
-        e.device_name = str(d["device_name"]).encode()
-        e.cublas_version = d["cublas_version"]
-        q = d["problem"]
-        e.problem = _gemm_problem(q["dtype"], q["trans_a"], q["trans_b"], q["m"], q["n"], q["k"],
-                                  q["batch"], q["lda"], q["ldb"], q["ldc"], q["stride_a"],
-                                  q["stride_b"], q["stride_c"], q["tf32"])
-        e.align_a, e.align_b, e.align_c = d["align_a"], d["align_b"], d["align_c"]
-        e.backend = d["backend"]
-        e.algo.clear()
-        for w in d["algo"]:
-            e.algo.push_back(<uint64_t>w)
-        e.time_ms = d["time_ms"]
-        v.push_back(e)
-    cdef int64_t taken
-    with nogil:
-        taken = import_gemm_cache(v)
-    return taken
-
-
-def _gemm_cache_clear():
-    """Empties the GEMM algorithm cache."""
-    with nogil:
-        clear_gemm_cache()

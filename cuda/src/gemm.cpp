@@ -132,4 +132,14 @@ void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
   check_cublas(run_cublas(handle, stream, p, a, b, c, &alpha, &beta), cublas_call_name(p), device);
 }
 
+void gemm(CublasHandle& handle, cudaStream_t stream, const GemmLayout& layout, const void* a, const void* b,
+          void* c, float alpha, float beta, bool tf32) {
+  check_gemm_addresses(layout, reinterpret_cast<uintptr_t>(a), reinterpret_cast<uintptr_t>(b),
+                       reinterpret_cast<uintptr_t>(c));
+  GemmProblem p = layout.problem;
+  p.tf32 = tf32;
+  if (layout.swap) std::swap(a, b);
+  gemm(handle, stream, p, a, b, c, alpha, beta);
+}
+
 }  // namespace inferctx

@@ -1,6 +1,7 @@
 // What the GEMM files share, internal to cuda/src: the problem's stored shapes and checks
 // (gemm_problem.cpp), the helper kernels (gemm_kernels.cu), the algorithm cache
-// (gemm_algo_cache.cpp), running one product (gemm.cpp); the tuner is gemm_tune.cpp.
+// (gemm_algo_cache.cpp), running one product (gemm.cpp); the tuner is gemm_tune.cpp, and
+// gemm_layout.cpp turns a call's operands into a problem.
 //
 // Row-major C = op(A) op(B) is, read as column-major memory, C^T = op(B)^T op(A)^T: cuBLASLt
 // is given our B as its A and our A as its B, with the transposes unchanged, and the problem

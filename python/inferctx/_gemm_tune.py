@@ -1,5 +1,5 @@
-"""What autotune_gemm needs besides the compiled tuner: the shapes it is given, the packed problem
-of each as the cache keys it, and the progress bar. Internal to inferctx.gemm."""
+"""What autotune_gemm needs besides the compiled tuner: the shapes it is given, the key of a cache
+entry's problem, and the progress bar. Internal to inferctx.gemm."""
 
 from __future__ import annotations
 
@@ -35,16 +35,8 @@ def _tune_shapes(shapes):
     return out
 
 
-def _packed(code, m, n, k, batch, trans_a, trans_b, tf32):
-    """The GemmProblem of densely packed operands, as the cache keys it (normalized)."""
-    one = batch == 1
-    return {"dtype": code, "trans_a": trans_a, "trans_b": trans_b, "m": m, "n": n, "k": k,
-            "batch": batch, "lda": max(1, m if trans_a else k), "ldb": max(1, k if trans_b else n),
-            "ldc": max(1, n), "stride_a": 0 if one else m * k, "stride_b": 0 if one else k * n,
-            "stride_c": 0 if one else m * n, "tf32": bool(tf32 and code == 0)}
-
-
 def _problem_key(p):
+    """A problem dict (as _core gives them) as a hashable key."""
     return (p["dtype"], bool(p["trans_a"]), bool(p["trans_b"]), bool(p["tf32"])) + tuple(
         int(p[f]) for f in _PROBLEM_FIELDS)
 

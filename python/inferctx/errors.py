@@ -58,6 +58,8 @@ _REMEDIES: dict[int, str] = {
        "retake_workspace again",
     4: ", or InferenceContext.instance({device}) for that stream",
     5: " Planning (plan_workspace, `inferctx plan --free-gb ... --total-gb ...`) works without one.",
+    6: "; use bmm for batches",
+    7: " (call .contiguous() first)",
 }
 
 

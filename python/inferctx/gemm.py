@@ -22,19 +22,21 @@ each call releases the GIL around the C++ one and C++ errors become inferctx.err
 
 ``_core._begin(operands, ctx, stream) -> call``
     The call contract for ``operands`` (a, b, out): ``call.ctx``, ``call.kernel`` (the stream
-    handle the product runs on), ``call.import_array(obj, argument) -> CudaArray``,
-    ``call.new_result(dtype, shape)`` and ``call.done()`` (the caller's streams wait for it).
-``_core._gemm(ctx, stream, a_ptr, b_ptr, c_ptr, dtype, trans_a, trans_b, m, n, k, batch, lda,
-ldb, ldc, stride_a, stride_b, stride_c, alpha, beta, tf32) -> None``
-    ``inferctx::gemm(ctx.cublas(), stream, problem, a, b, c, alpha, beta)`` with the
-    GemmProblem fields of the same names (cuda/include/inferctx/gemm.hpp); the stream handle,
-    pointers and sizes are ints, dtype the DType code, trans_* and tf32 bools, alpha and beta
-    floats.
-``_core._gemm_tune(ctx, dtype, trans_a, trans_b, m, n, k, batch, lda, ldb, ldc, stride_a,
-stride_b, stride_c, tf32, max_algorithms, warmup, repeats) -> dict``
-    ``inferctx::tune_gemm`` on the context's handle, on ``ctx.stream``; the dict has the fields of
-    GemmTuneResult (backend, algo_index, algo, algo_id, tile_id, stages_id, splitk,
-    default_ms, best_ms, candidates, valid, rotated_sets).
+    handle the product runs on), ``call.import_array(obj, argument) -> CudaArray`` and
+    ``call.done()`` (the caller's streams wait for it).
+``_core._gemm(call, ndim, va, vb, vc, out, trans_a, trans_b, alpha, beta, tf32) -> out``
+    The product of imported operands (``vc`` None for a new result) on ``call.kernel``:
+    ``inferctx::gemm_layout`` works out the problem from their shapes and strides (ConfigError
+    naming a, b or out; cuda/src/gemm_layout.cpp), then ``inferctx::gemm`` checks the addresses
+    (out sharing an input's memory, misalignment) and queues it. Returns ``out`` or the new result
+    in the call's package.
+``_core._gemm_packed_problem(dtype, m, n, k, batch, trans_a, trans_b, tf32) -> dict``
+    The GemmProblem (as a dict) of densely packed operands, as the algorithm cache keys it.
+``_core._gemm_tune(ctx, dtype, trans_a, trans_b, m, n, k, batch, tf32, max_algorithms, warmup,
+repeats) -> dict``
+    ``inferctx::tune_gemm`` of that packed problem on the context's handle, on ``ctx.stream``;
+    the dict has the fields of GemmTuneResult (backend, algo_index, algo, algo_id, tile_id,
+    stages_id, splitk, default_ms, best_ms, candidates, valid, rotated_sets).
 ``_core._gemm_cache_export(tuned_only) -> list[dict]`` and
 ``_core._gemm_cache_import(entries) -> int``
     GemmCacheEntry as a dict: device, device_name (str), cublas_version, problem (a dict of
@@ -54,13 +56,10 @@ import tempfile
 from typing import Any, Dict, List
 
 from . import _core
-from ._gemm_cache import (_BACKENDS, _CODES, _FORMAT, _VERSION, _entry_from_json, _entry_to_json,
+from ._gemm_cache import (_BACKENDS, _FORMAT, _VERSION, _entry_from_json, _entry_to_json,
                           _identity, _read_cache_file)
-# _layout is not called here: it stays reachable as inferctx.gemm._layout.
-from ._gemm_layout import (_check_no_overlap, _ctx_device_error, _device_error, _layout,
-                           _misaligned, _new_plan, _plans)
-from ._gemm_tune import _Progress, _packed, _problem_key, _tune_shapes
-from .dtypes import ITEMSIZE, NAMES, dtype_code
+from ._gemm_tune import _Progress, _problem_key, _tune_shapes
+from .dtypes import NAMES, dtype_code
 from .errors import ConfigError
 
 __all__ = [
@@ -211,7 +210,8 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
     bar = _Progress(len(problems), flags["progress"])
     try:
         for batch, m, n, k in problems:
-            p = _packed(code, m, n, k, batch, flags["trans_a"], flags["trans_b"], flags["tf32"])
+            p = _core._gemm_packed_problem(code, m, n, k, batch, flags["trans_a"], flags["trans_b"],
+                                           flags["tf32"])
             label = (f"{_SHORT[code]} {m}x{n}x{k}" + (f" x{batch}" if batch > 1 else "")
                      + ("" if not (flags["trans_a"] or flags["trans_b"]) else
                         f" {'T' if flags['trans_a'] else 'N'}{'T' if flags['trans_b'] else 'N'}"))
@@ -226,10 +226,8 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
                               backend=_BACKENDS.get(entry["backend"], "cublasLt"), algo_index=None,
                               candidates=0, valid=0, skipped=True)
             else:
-                r = _core._gemm_tune(ctx, code, p["trans_a"], p["trans_b"], m, n, k, batch,
-                                     p["lda"], p["ldb"], p["ldc"], p["stride_a"], p["stride_b"],
-                                     p["stride_c"], p["tf32"], int(max_algorithms), int(warmup),
-                                     int(repeats))
+                r = _core._gemm_tune(ctx, code, flags["trans_a"], flags["trans_b"], m, n, k, batch,
+                                     flags["tf32"], int(max_algorithms), int(warmup), int(repeats))
                 default_ms = r["default_ms"] if r["default_ms"] > 0 else None
                 record.update(default_ms=default_ms, tuned_ms=r["best_ms"],
                               speedup=(default_ms / r["best_ms"]) if default_ms else None,
@@ -340,56 +338,16 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
     if vc is not None and vc.read_only:
         raise ConfigError(f"{name}: out ({_type_name(out)}) is read-only; pass a writable array",
                           argument="out")
-    key = (ndim, trans_a, trans_b, _CODES.get(va.dtype), va.shape, va.strides,
-           _CODES.get(vb.dtype), vb.shape, vb.strides,
-           None if vc is None else _CODES.get(vc.dtype), None if vc is None else vc.shape,
-           None if vc is None else vc.strides)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _new_plan(name, key, a, b, out,
-                         (va.dtype, vb.dtype, None if vc is None else vc.dtype))
-    fresh = out is None
-    if fresh:
-        if va.device != vb.device:
-            _device_error(name, plan[19], va.device, vb.device, va.device)
-        out = call.new_result(NAMES[plan[0]], plan[14])
-        c_ptr = _core._address_of(out)
-    else:
-        c_ptr = vc.ptr
     # va / vb / vc keep the memory alive until the product is queued.
-    result = _launch(name, plan, call.ctx, call.kernel, va.device, vb.device,
-                     va.device if vc is None else vc.device, va.ptr, vb.ptr, out, c_ptr, fresh,
-                     alpha, beta, tf32)
+    result = _core._gemm(call, ndim, va, vb, vc, out, trans_a, trans_b, alpha, beta, tf32)
     call.done()
     return result
 
 
-# The problems _new_plan works out (_gemm_layout.py), by call signature.
-_core._set_gemm_plans(_plans)  # _torch_gemm reads the same table
-
-
-def _launch(name, plan, ctx, stream, a_device, b_device, c_device, a_ptr, b_ptr, out, c_ptr,
-            fresh, alpha, beta, tf32):
-    """Checks devices and memory overlap for one call of a worked-out problem and queues it on
-    `stream`; `fresh`: out was made for this call (nothing to overlap)."""
-    (code, m, n, k, batch, lda, ldb, ldc, stride_a, stride_b, stride_c, ta, tb, swap, expected,
-     span_a, span_b, span_c, spans, shapes) = plan
-    if b_device != a_device or c_device != a_device:
-        _device_error(name, shapes, a_device, b_device, c_device)
-    ctx_device = _context_device(ctx)
-    if a_device != ctx_device:
-        _ctx_device_error(name, a_device, ctx_device)
-    if not fresh and ((a_ptr < c_ptr + span_c and c_ptr < a_ptr + span_a)
-                      or (b_ptr < c_ptr + span_c and c_ptr < b_ptr + span_b)):
-        _check_no_overlap(name, a_ptr, b_ptr, c_ptr, spans, ITEMSIZE[code])
-    size = ITEMSIZE[code]
-    if a_ptr % size or b_ptr % size or c_ptr % size:
-        _misaligned(name, size, (("a", a_ptr), ("b", b_ptr), ("out", c_ptr)))
-    if swap:
-        a_ptr, b_ptr = b_ptr, a_ptr
-    _core._gemm(ctx, stream, a_ptr, b_ptr, c_ptr, code, ta, tb, m, n, k, batch, lda, ldb, ldc,
-                stride_a, stride_b, stride_c, alpha, beta, tf32)
-    return out
+def _ctx_device_error(name, device, ctx_device):
+    raise ConfigError(f"{name}: the operands are on cuda:{device} but ctx is the context of "
+                      f"cuda:{ctx_device}; pass ctx=InferenceContext.instance({device}) or leave "
+                      f"ctx=None", argument="ctx")
 
 
 _flag = _core._as_bool  # True or False (a numpy.bool_ too)

@@ -1,14 +1,14 @@
 """inferctx.gemm / bmm / autotune_gemm and the GEMM cache file.
 
-Two halves. Without a GPU, the Python layer (operand layouts, transposed views, column-major
-out, broadcasting, argument errors, the cache file, the progress bar) runs against a stand-in
-for the compiled functions that computes GemmProblem's meaning with NumPy on host memory.
-With a GPU (``gpu`` marker), everything runs for real against float64 references with torch.
+Two halves. Without a GPU: the layout the C++ layer works out for operands' shapes and strides
+(``_core._gemm_layout``, host code: nothing is launched) against values worked out by hand, its
+refusals, the argument checks of the Python API, and autotune_gemm's bookkeeping and cache file
+with a stand-in for the GPU timing alone. With a GPU (``gpu`` marker), everything runs for real
+against float64 references with torch.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import io
 import json
@@ -17,137 +17,200 @@ import types
 import numpy as np
 import pytest
 
+from inferctx import _core
 from inferctx.errors import ConfigError
 
 # The module, not the function the package exports under the same name.
 gm = importlib.import_module("inferctx.gemm")
 
 # ---------------------------------------------------------------------------------------
-# A stand-in for inferctx._core: host NumPy arrays posing as CUDA arrays.
+# The layout of a call (C++ gemm_layout, on the host)
+
+FIELDS = ("m", "n", "k", "lda", "ldb", "ldc", "batch", "stride_a", "stride_b", "stride_c",
+          "trans_a", "trans_b", "swap")
 
 
-class HostArray:
-    """A NumPy array that claims to be CUDA memory (device 0) for the stand-in core."""
+def layout(ndim, a, b, out=None, trans_a=False, trans_b=False, dtype="float32", addresses=None):
+    """The problem C++ builds for operands given as (shape, strides) in elements."""
+    spec = lambda x: None if x is None else (dtype,) + tuple(x)  # noqa: E731
+    return _core._gemm_layout(ndim, trans_a, trans_b, spec(a), spec(b), spec(out), addresses)
 
-    def __init__(self, array):
-        self.array = array
+
+def fields(d):
+    return tuple(d[f] for f in FIELDS)
+
+
+F, T = False, True
+
+
+# m, n, k = 5, 7, 3: a is (5, 3) and b (3, 7) unless a trans flag stores them the other way.
+@pytest.mark.parametrize("case, expected", [
+    # contiguous: lda = k, ldb = ldc = n, a new result's stride_c = m * n
+    (dict(a=((5, 3), (3, 1)), b=((3, 7), (7, 1))), (5, 7, 3, 3, 7, 7, 1, 0, 0, 35, F, F, F)),
+    # a as a transposed view of a contiguous (3, 5): read in place as trans_a with lda 5 ...
+    (dict(a=((5, 3), (1, 5)), b=((3, 7), (7, 1))), (5, 7, 3, 5, 7, 7, 1, 0, 0, 35, T, F, F)),
+    # ... which is what trans_a of that (3, 5) array gives
+    (dict(a=((3, 5), (5, 1)), b=((3, 7), (7, 1)), trans_a=T), (5, 7, 3, 5, 7, 7, 1, 0, 0, 35, T, F, F)),
+    # padded rows of a: lda is the row pitch
+    (dict(a=((5, 3), (6, 1)), b=((3, 7), (7, 1))), (5, 7, 3, 6, 7, 7, 1, 0, 0, 35, F, F, F)),
+    # trans_b of a contiguous (7, 3) b (torch's Linear weight): ldb = k
+    (dict(a=((5, 3), (3, 1)), b=((7, 3), (3, 1)), trans_b=T), (5, 7, 3, 3, 3, 7, 1, 0, 0, 35, F, T, F)),
+    # trans_b of a transposed view: the stored matrix is op(b) itself
+    (dict(a=((5, 3), (3, 1)), b=((7, 3), (1, 7)), trans_b=T), (5, 7, 3, 3, 7, 7, 1, 0, 0, 35, F, F, F)),
+    # padded out: ldc 10, no batch stride
+    (dict(a=((5, 3), (3, 1)), b=((3, 7), (7, 1)), out=((5, 7), (10, 1))), (5, 7, 3, 3, 7, 10, 1, 0, 0, 0, F, F, F)),
+    # column-major out: out^T = b^T a^T, a 7 x 5 problem with the operands swapped
+    (dict(a=((5, 3), (3, 1)), b=((3, 7), (7, 1)), out=((5, 7), (1, 5))), (7, 5, 3, 7, 3, 5, 1, 0, 0, 0, T, T, T)),
+    # one row whose elements are 2 apart is read as a 5 x 1 column with ld 2
+    (dict(a=((1, 5), (10, 2)), b=((5, 7), (7, 1))), (1, 7, 5, 2, 7, 7, 1, 0, 0, 7, T, F, F)),
+    # (4, 1) and (1, 5) with unit strides everywhere
+    (dict(a=((4, 1), (1, 1)), b=((1, 5), (1, 1))), (4, 5, 1, 1, 5, 5, 1, 0, 0, 20, F, F, F)),
+    # k = 0: lda 1 (one matrix of no columns), ldb = n
+    (dict(a=((3, 0), (0, 1)), b=((0, 4), (4, 1))), (3, 4, 0, 1, 4, 4, 1, 0, 0, 12, F, F, F)),
+])
+def test_gemm_layouts(case, expected):
+    got = layout(2, **case)
+    assert fields(got) == expected
+    m, n = expected[:2]
+    assert got["out_shape"] == ((n, m) if got["swap"] else (m, n))
+    assert got["dtype"] == 0 and got["tf32"] is False
+
+
+def test_bmm_layouts():
+    # a (4, 3, 6) with rows padded to 9 (batch stride 27); one b (1, 5, 6) for the whole batch,
+    # with trans_b; out (4, 3, 5) as a view of an (3, 4, 5) array: strides (5, 20, 1).
+    got = layout(3, ((4, 3, 6), (27, 9, 1)), ((1, 5, 6), (30, 6, 1)), ((4, 3, 5), (5, 20, 1)),
+                 trans_b=True)
+    assert fields(got) == (3, 5, 6, 9, 6, 20, 4, 27, 0, 5, F, T, F)
+    # Each matrix of a a transposed view (strides (18, 1, 3)), b broadcast, a new result.
+    got = layout(3, ((4, 3, 6), (18, 1, 3)), ((1, 6, 5), (30, 5, 1)))
+    assert fields(got) == (3, 5, 6, 3, 5, 5, 4, 18, 0, 15, T, F, F) and got["out_shape"] == (4, 3, 5)
+    # A batch stride of 0 in a (a broadcast view) reads one matrix for every b.
+    got = layout(3, ((3, 4, 5), (0, 5, 1)), ((3, 5, 2), (10, 2, 1)))
+    assert fields(got) == (4, 2, 5, 5, 2, 2, 3, 0, 10, 8, F, F, F)
+
+
+def test_contiguous_call_is_the_autotuned_problem():
+    """A contiguous (m, k) @ (k, n) runs the packed problem autotune_gemm tunes (the cache key)."""
+    for trans_b, b in ((False, ((16, 32), (32, 1))), (True, ((32, 16), (16, 1)))):
+        got = layout(2, ((8, 16), (16, 1)), b, trans_b=trans_b, dtype="float16")
+        packed = _core._gemm_packed_problem(1, 8, 32, 16, 1, False, trans_b, False)
+        for field in ("m", "n", "k", "batch", "lda", "ldb", "ldc", "trans_a", "trans_b", "dtype"):
+            assert got[field] == packed[field], field
+    assert _core._gemm_packed_problem(2, 128, 2048, 64, 4, False, True, True) == {
+        "dtype": 2, "trans_a": False, "trans_b": True, "m": 128, "n": 2048, "k": 64, "batch": 4,
+        "lda": 64, "ldb": 64, "ldc": 2048, "stride_a": 8192, "stride_b": 131072,
+        "stride_c": 262144, "tf32": False}  # tf32 only for float32
+
+
+def test_side_by_side_out_in_one_buffer_is_allowed():
+    # a is columns [0, 4) and out columns [4, 12) of a (6, 12) float32 buffer at 0x1000.
+    a, b, out = ((6, 4), (12, 1)), ((4, 8), (8, 1)), ((6, 8), (12, 1))
+    layout(2, a, b, out, addresses=(0x1000, 0x9000, 0x1000 + 4 * 4))
+    with pytest.raises(ConfigError) as info:  # out from column 3 takes a's last column
+        layout(2, a, b, out, addresses=(0x1000, 0x9000, 0x1000 + 3 * 4))
+    assert info.value.argument == "out" and "shares memory with a" in str(info.value)
+
+
+def _spec(dtype, shape, strides=None):
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return (dtype, shape, strides)
+
+
+@pytest.mark.parametrize("case, argument, words", [
+    ((2, _spec("float32", (4, 5)), _spec("float32", (6, 7))), "b", ["(4, 5)", "(6, 7)", "5 columns"]),
+    ((2, _spec("float32", (4, 5)), _spec("float16", (5, 7))), "b", ["float32", "float16", "(4, 5)", "(5, 7)"]),
+    ((2, _spec("float64", (4, 5)), _spec("float32", (5, 2))), "a", ["float64"]),
+    ((2, _spec("float32", (4,)), _spec("float32", (4, 2))), "a", ["2-D", "(4,)"]),
+    ((3, _spec("float32", (4, 5)), _spec("float32", (5, 2))), "a", ["3-D"]),
+    ((2, _spec("float32", (2, 4, 5)), _spec("float32", (2, 5, 2))), "a", ["use bmm for batches"]),
+    ((3, _spec("float32", (2, 4, 5)), _spec("float32", (3, 5, 2))), "b", ["(2, 4, 5)", "(3, 5, 2)"]),
+    ((2, _spec("float32", (4, 5)), _spec("float32", (5, 2)), _spec("float32", (4, 3))), "out",
+     ["(4, 2)", "(4, 3)"]),
+    ((2, _spec("float32", (4, 5)), _spec("float32", (5, 2)), _spec("float16", (4, 2))), "out", ["float16"]),
+    ((2, _spec("float32", (4, 5), (10, 2)), _spec("float32", (5, 2))), "a",
+     ["stride", "(4, 5)", "(10, 2)", ".contiguous()"]),
+    ((2, _spec("float32", (4, 5), (0, 1)), _spec("float32", (5, 2))), "a", ["(0, 1)"]),  # broadcast rows
+    ((3, _spec("float32", (3, 4, 5), (-20, 5, 1)), _spec("float32", (3, 5, 2))), "a", ["(-20, 5, 1)"]),
+    ((2, _spec("float32", (4, 2)), _spec("float32", (2, 2)), _spec("float32", (4, 2), (2, 0))), "out",
+     ["strides"]),
+    ((3, _spec("float32", (3, 4, 5)), _spec("float32", (3, 5, 2)), _spec("float32", (3, 4, 2), (0, 2, 1))),
+     "out", ["overlap"]),  # one matrix written three times
+])
+def test_layout_refusals_name_the_argument(case, argument, words):
+    ndim, a, b, *out = case
+    with pytest.raises(ConfigError) as info:
+        _core._gemm_layout(ndim, False, False, a, b, out[0] if out else None)
+    assert info.value.argument == argument
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_address_refusals():
+    square = ((4, 4), (4, 1))  # 64 bytes of float32
+    with pytest.raises(ConfigError) as info:
+        layout(2, square, square, square, addresses=(0x1000, 0x2000, 0x1000))
+    assert info.value.argument == "out" and "shares memory with a" in str(info.value)
+    layout(2, square, square, square, addresses=(0x1000, 0x2000, 0x1040))  # just past a
+    with pytest.raises(ConfigError) as info:
+        layout(2, square, square, square, addresses=(0x1000, 0x2002, 0x4000))
+    assert info.value.argument == "b" and "0x2002" in str(info.value) and "4-byte" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        layout(2, square, square, square, dtype="bfloat16", addresses=(0x1000, 0x2000, 0x3001))
+    assert info.value.argument == "out" and "2-byte" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------
+# The Python API's own checks (before anything needs a device)
+
+
+class ClaimsCuda:
+    """An object whose __dlpack_device__ says CUDA device 0 (it is never imported)."""
 
     def __dlpack_device__(self):
         return (2, 0)
 
-    @property
-    def shape(self):
-        return self.array.shape
+
+@pytest.mark.parametrize("case", ["beta_without_out", "host_array", "not_an_array", "trans_not_bool",
+                                  "alpha_complex", "ctx_other_device", "bmm_tf32_not_bool"])
+def test_argument_errors_name_the_argument(case):
+    x = ClaimsCuda()
+    call, argument, words = {
+        "beta_without_out": (lambda: gm.gemm(x, x, beta=1.0), "beta", ["out="]),
+        "host_array": (lambda: gm.gemm(np.ones((4, 5), np.float32), x), "a", ["host"]),
+        "not_an_array": (lambda: gm.gemm([[1.0]], x), "a", ["list", "DLPack"]),
+        "trans_not_bool": (lambda: gm.gemm(x, x, trans_a="yes"), "trans_a", ["'yes'"]),
+        "alpha_complex": (lambda: gm.gemm(x, x, alpha=1j), "alpha", ["1j"]),
+        "ctx_other_device": (lambda: gm.gemm(x, x, ctx=types.SimpleNamespace(device=1)), "ctx",
+                             ["cuda:0", "cuda:1"]),
+        "bmm_tf32_not_bool": (lambda: gm.bmm(x, x, tf32="no"), "tf32", ["'no'"]),
+    }[case]
+    with pytest.raises(ConfigError) as info:
+        call()
+    assert info.value.argument == argument
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
 
 
-def _matrix_at(ptr, dtype, rows, cols, ld):
-    """The rows x cols row-major matrix with leading dimension ld at address ptr."""
-    itemsize = np.dtype(dtype).itemsize
-    nbytes = ((rows - 1) * ld + cols) * itemsize
-    buffer = (ctypes.c_char * nbytes).from_address(ptr)
-    return np.ndarray((rows, cols), dtype=dtype, buffer=buffer, strides=(ld * itemsize, itemsize))
+# ---------------------------------------------------------------------------------------
+# Autotuning, the cache file and the progress bar (a stand-in for the GPU timing)
 
 
-class FakeCore:
-    """Records calls and computes inferctx::gemm's documented meaning on host memory."""
+class StubTuner:
+    """Stands in for the GPU half of autotune_gemm (timing, and the algorithm cache it fills):
+    records what it was asked to tune; cache entries hold the packed problem C++ builds."""
 
-    NUMPY = {0: np.float32, 1: np.float16}
-
-    def __init__(self, device=0, stream=7):
-        self.calls = []
+    def __init__(self):
         self.tunes = []
         self.cache = []  # entries as _gemm_cache_export gives them
         self.imported = None
-        self.begun = 0
-        self.finished = 0
-        self.context = types.SimpleNamespace(device=device,
-                                             stream=types.SimpleNamespace(handle=stream))
-        core = self
 
-        class InferenceContext:
-            @staticmethod
-            def instance(device=None):
-                return core.context
-
-        self.InferenceContext = InferenceContext
-        self.keep = []
-
-    @staticmethod
-    def _dlpack_device_of(obj, dlpack_device, argument):
-        """The real check of __dlpack_device__'s answer (host code, needs no device)."""
-        from inferctx import _core
-        return _core._dlpack_device_of(obj, dlpack_device, argument)
-
-    def _begin(self, operands, ctx=None, stream=None, first="a"):
-        """The call contract's stand-in: the context's stream, host results."""
-        core = self
-        context = self.context if ctx is None else ctx
-        self.begun += 1
-
-        class Call:
-            kernel = context.stream.handle if stream is None else stream
-
-            def __init__(self):
-                self.ctx = context
-
-            def import_array(self, obj, argument):
-                return core._as_cuda_array(obj, argument)
-
-            def new_result(self, dtype, shape):
-                array = np.full(shape, np.nan, dtype=np.dtype(dtype))
-                view = HostArray(array)
-                core.keep.append(view)
-                return view
-
-            def done(self):
-                core.finished += 1
-
-        return Call()
-
-    def _as_cuda_array(self, obj, argument):
-        if not isinstance(obj, HostArray):
-            raise ConfigError(f"{argument}: not an array", argument=argument)
-        a = obj.array
-        return types.SimpleNamespace(
-            ptr=a.ctypes.data, shape=a.shape, strides=tuple(s // a.itemsize for s in a.strides),
-            dtype=a.dtype.name, device=0, owner=obj, read_only=not a.flags.writeable)
-
-    def _address_of(self, result):
-        return result.array.ctypes.data
-
-    def _gemm(self, ctx, stream, a_ptr, b_ptr, c_ptr, dtype, trans_a, trans_b, m, n, k, batch, lda,
-              ldb, ldc, stride_a, stride_b, stride_c, alpha, beta, tf32):
-        assert ctx is self.context and stream == self.context.stream.handle
-        for flag in (trans_a, trans_b, tf32):
-            assert flag is True or flag is False
-        self.calls.append(dict(dtype=dtype, trans_a=trans_a, trans_b=trans_b, m=m, n=n, k=k,
-                               batch=batch, lda=lda, ldb=ldb, ldc=ldc, stride_a=stride_a,
-                               stride_b=stride_b, stride_c=stride_c, alpha=alpha, beta=beta))
-        a_rows, a_cols = (k, m) if trans_a else (m, k)
-        b_rows, b_cols = (n, k) if trans_b else (k, n)
-        # What validate_gemm enforces.
-        assert lda >= max(1, a_cols) and ldb >= max(1, b_cols) and ldc >= max(1, n)
-        if m == 0 or n == 0 or batch == 0:
-            return
-        t = self.NUMPY[dtype]
-        size = np.dtype(t).itemsize
-        for i in range(batch):
-            c = _matrix_at(c_ptr + i * stride_c * size, t, m, n, ldc)
-            if k == 0:
-                product = np.zeros((m, n))
-            else:
-                a = _matrix_at(a_ptr + i * stride_a * size, t, a_rows, a_cols, lda).astype(np.float64)
-                b = _matrix_at(b_ptr + i * stride_b * size, t, b_rows, b_cols, ldb).astype(np.float64)
-                product = (a.T if trans_a else a) @ (b.T if trans_b else b)
-            value = alpha * product + (beta * c.astype(np.float64) if beta != 0.0 else 0.0)
-            c[...] = value.astype(t)
-
-    def _gemm_tune(self, ctx, dtype, trans_a, trans_b, m, n, k, batch, lda, ldb, ldc, stride_a,
-                   stride_b, stride_c, tf32, max_algorithms, warmup, repeats):
-        problem = dict(dtype=dtype, trans_a=trans_a, trans_b=trans_b, m=m, n=n, k=k, batch=batch,
-                       lda=lda, ldb=ldb, ldc=ldc, stride_a=stride_a, stride_b=stride_b,
-                       stride_c=stride_c, tf32=tf32)
-        self.tunes.append((problem, max_algorithms, warmup, repeats))
+    def _gemm_tune(self, ctx, dtype, trans_a, trans_b, m, n, k, batch, tf32, max_algorithms, warmup,
+                   repeats):
+        self.tunes.append((dtype, trans_a, trans_b, m, n, k, batch, tf32, max_algorithms, warmup,
+                           repeats))
+        problem = _core._gemm_packed_problem(dtype, m, n, k, batch, trans_a, trans_b, tf32)
         self.cache.append(dict(device=ctx.device, device_name="Fake GPU", cublas_version=130100,
                                problem=problem, align_a=256, align_b=256, align_c=256, backend=0,
                                algo=[1, 2, 3, 4, 5, 6, 7, 2**64 - 1], time_ms=0.5))
@@ -167,206 +230,19 @@ class FakeCore:
 
 
 @pytest.fixture
-def core(monkeypatch):
-    fake = FakeCore()
-    monkeypatch.setattr(gm, "_core", fake)
-    monkeypatch.setattr(gm, "_contexts", {})
-    return fake
+def tuner(monkeypatch):
+    stub = StubTuner()
+    for name in ("_gemm_tune", "_gemm_cache_export", "_gemm_cache_import", "_gemm_cache_clear"):
+        monkeypatch.setattr(gm._core, name, getattr(stub, name))
+    monkeypatch.setattr(gm, "_context_of_current_device", lambda: types.SimpleNamespace(device=0))
+    return stub
 
 
-def _random(shape, dtype, rng):
-    return rng.uniform(-1, 1, size=shape).astype(dtype)
-
-
-def _stored(array, how):
-    """`array`'s values laid out as asked: C-contiguous, as a transposed view of a contiguous
-    array, or as a slice of a wider array (padded rows)."""
-    if how == "contiguous":
-        return np.ascontiguousarray(array)
-    if how == "transposed":
-        return np.ascontiguousarray(np.swapaxes(array, -1, -2)).swapaxes(-1, -2)
-    wide = np.full(array.shape[:-1] + (array.shape[-1] + 3,), np.nan, dtype=array.dtype)
-    wide[..., : array.shape[-1]] = array
-    return wide[..., : array.shape[-1]]
-
-
-def _relative_error(got, ref):
-    got = np.asarray(got, dtype=np.float64)
-    norm = np.linalg.norm(ref)
-    return float(np.linalg.norm(got - ref) / (norm if norm > 0 else 1.0))
-
-
-# ---------------------------------------------------------------------------------------
-# The Python layer against the stand-in (no GPU)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("trans_a", [False, True])
-@pytest.mark.parametrize("trans_b", [False, True])
-@pytest.mark.parametrize("a_how", ["contiguous", "transposed", "padded"])
-@pytest.mark.parametrize("b_how", ["contiguous", "transposed", "padded"])
-@pytest.mark.parametrize("out_how", [None, "contiguous", "transposed", "padded"])
-def test_layouts_give_numpys_product(core, dtype, trans_a, trans_b, a_how, b_how, out_how):
-    rng = np.random.default_rng()
-    m, n, k = 5, 7, 3
-    a = _random((k, m) if trans_a else (m, k), dtype, rng)
-    b = _random((n, k) if trans_b else (k, n), dtype, rng)
-    ref = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b).astype(np.float64)
-    out = None
-    if out_how is not None:
-        out = _stored(np.full((m, n), np.nan, dtype=dtype), out_how)
-    result = gm.gemm(HostArray(_stored(a, a_how)), HostArray(_stored(b, b_how)),
-                     out=None if out is None else HostArray(out), trans_a=trans_a, trans_b=trans_b)
-    got = result.array
-    assert got.shape == (m, n)
-    if out is not None:
-        assert got is out
-        if out_how == "padded":
-            assert np.isnan(out.base[:, n:]).all()  # the gap after each row is untouched
-    assert _relative_error(got, ref) < (2e-3 if dtype == np.float16 else 1e-6)
-    assert len(core.calls) == 1
-    assert core.begun == core.finished == 1  # the caller's streams were joined after the call
-
-
-def test_alpha_beta_accumulate_into_out(core):
-    rng = np.random.default_rng()
-    a, b = _random((4, 6), np.float32, rng), _random((6, 5), np.float32, rng)
-    c0 = _random((4, 5), np.float32, rng)
-    out = c0.copy()
-    gm.gemm(HostArray(a), HostArray(b), out=HostArray(out), alpha=0.5, beta=-1.5)
-    ref = 0.5 * a.astype(np.float64) @ b + -1.5 * c0
-    assert _relative_error(out, ref) < 1e-6
-
-
-def test_bmm_batches_broadcasts_and_interleaved_out(core):
-    rng = np.random.default_rng()
-    batch, m, n, k = 4, 3, 5, 6
-    a = _random((batch, m, k), np.float32, rng)
-    b = _random((1, n, k), np.float32, rng)  # one b for every a, transposed
-    out = np.full((m, batch, n), np.nan, np.float32).transpose(1, 0, 2)  # interleaved rows
-    gm.bmm(HostArray(_stored(a, "padded")), HostArray(b), out=HostArray(out), trans_b=True)
-    ref = a.astype(np.float64) @ np.swapaxes(b, 1, 2).astype(np.float64)
-    assert _relative_error(out, ref) < 1e-6
-    call = core.calls[-1]
-    assert call["batch"] == batch and call["stride_b"] == 0 and call["stride_c"] == n
-    # A column-major 3-D a (each matrix a transposed view) and a new result.
-    a_t = _stored(a, "transposed")
-    result = gm.bmm(HostArray(a_t), HostArray(np.ascontiguousarray(np.swapaxes(b, 1, 2))))
-    assert result.array.shape == (batch, m, n)
-    assert _relative_error(result.array, ref) < 1e-6
-
-
-def test_zero_sizes(core):
-    rng = np.random.default_rng()
-    a, b = np.zeros((3, 0), np.float32), np.zeros((0, 4), np.float32)
-    result = gm.gemm(HostArray(a), HostArray(b))
-    assert result.array.shape == (3, 4) and (result.array == 0).all()
-    result = gm.gemm(HostArray(np.zeros((0, 5), np.float32)), HostArray(_random((5, 4), np.float32, rng)))
-    assert result.array.shape == (0, 4)
-
-
-def test_contiguous_call_matches_the_autotuned_problem(core):
-    """A contiguous (m, k) @ (k, n) reaches _core._gemm as the packed problem autotune_gemm tunes."""
-    rng = np.random.default_rng()
-    gm.gemm(HostArray(_random((8, 16), np.float16, rng)), HostArray(_random((16, 32), np.float16, rng)))
-    call = core.calls[-1]
-    packed = gm._packed(1, 8, 32, 16, 1, False, False, False)
-    for field in ("m", "n", "k", "batch", "lda", "ldb", "ldc", "trans_a", "trans_b"):
-        assert call[field] == packed[field], field
-    # A weight used as w.T (torch's Linear) is the packed trans_b problem.
-    w = _random((32, 16), np.float16, rng)
-    gm.gemm(HostArray(_random((8, 16), np.float16, rng)), HostArray(w.T))
-    call = core.calls[-1]
-    packed = gm._packed(1, 8, 32, 16, 1, False, True, False)
-    for field in ("m", "n", "k", "lda", "ldb", "ldc", "trans_a", "trans_b"):
-        assert call[field] == packed[field], field
-
-
-def test_side_by_side_out_in_one_buffer_is_allowed(core):
-    rng = np.random.default_rng()
-    buffer = np.zeros((6, 12), np.float32)
-    buffer[:, :4] = _random((6, 4), np.float32, rng)
-    a = buffer[:, :4]
-    b = _random((4, 8), np.float32, rng)
-    gm.gemm(HostArray(a), HostArray(b), out=HostArray(buffer[:, 4:]))
-    assert _relative_error(buffer[:, 4:], a.astype(np.float64) @ b) < 1e-6
-
-
-@pytest.mark.parametrize("case", [
-    "k_mismatch", "dtype_mismatch", "unsupported_dtype", "one_d", "bmm_two_d", "gemm_three_d",
-    "batch_mismatch", "out_shape", "out_dtype", "out_is_a", "strided_inner", "beta_without_out",
-    "host_array", "not_an_array", "trans_not_bool", "alpha_complex",
-    "ctx_other_device", "read_only_out",
-])
-def test_errors_name_the_argument(core, case):
-    rng = np.random.default_rng()
-    f32 = lambda *shape: HostArray(_random(shape, np.float32, rng))  # noqa: E731
-    call, argument, words = {
-        "k_mismatch": (lambda: gm.gemm(f32(4, 5), f32(6, 7)), "b", ["(4, 5)", "(6, 7)"]),
-        "dtype_mismatch": (lambda: gm.gemm(f32(4, 5), HostArray(_random((5, 7), np.float16, rng))),
-                           "b", ["float32", "float16", "(4, 5)", "(5, 7)"]),
-        "unsupported_dtype": (lambda: gm.gemm(HostArray(np.ones((4, 5))), f32(5, 2)), "a",
-                              ["float64"]),
-        "one_d": (lambda: gm.gemm(f32(4), f32(4, 2)), "a", ["2-D", "(4,)"]),
-        "bmm_two_d": (lambda: gm.bmm(f32(4, 5), f32(5, 2)), "a", ["3-D"]),
-        "gemm_three_d": (lambda: gm.gemm(f32(2, 4, 5), f32(2, 5, 2)), "a", ["bmm"]),
-        "batch_mismatch": (lambda: gm.bmm(f32(2, 4, 5), f32(3, 5, 2)), "b", ["(2, 4, 5)", "(3, 5, 2)"]),
-        "out_shape": (lambda: gm.gemm(f32(4, 5), f32(5, 2), out=f32(4, 3)), "out", ["(4, 2)", "(4, 3)"]),
-        "out_dtype": (lambda: gm.gemm(f32(4, 5), f32(5, 2),
-                                      out=HostArray(np.zeros((4, 2), np.float16))), "out", ["float16"]),
-        "out_is_a": (None, "out", ["shares memory"]),
-        "strided_inner": (lambda: gm.gemm(HostArray(_random((4, 10), np.float32, rng)[:, ::2]),
-                                          f32(5, 2)), "a", ["stride", "(4, 5)"]),
-        "beta_without_out": (lambda: gm.gemm(f32(4, 5), f32(5, 2), beta=1.0), "beta", ["out="]),
-        "host_array": (lambda: gm.gemm(np.ones((4, 5), np.float32), f32(5, 2)), "a", ["host"]),
-        "not_an_array": (lambda: gm.gemm([[1.0]], f32(1, 2)), "a", ["list", "DLPack"]),
-        "trans_not_bool": (lambda: gm.gemm(f32(4, 5), f32(5, 2), trans_a="yes"), "trans_a", ["'yes'"]),
-        "alpha_complex": (lambda: gm.gemm(f32(4, 5), f32(5, 2), alpha=1j), "alpha", ["1j"]),
-        "ctx_other_device": (lambda: gm.gemm(f32(4, 5), f32(5, 2), ctx=types.SimpleNamespace(
-            device=1, stream=core.context.stream)), "ctx", ["cuda:0", "cuda:1"]),
-        "read_only_out": (None, "out", ["read-only"]),
-    }[case]
-    if case == "out_is_a":
-        square = f32(4, 4)
-        call = lambda: gm.gemm(square, f32(4, 4), out=square)  # noqa: E731
-    if case == "read_only_out":
-        frozen = np.zeros((4, 2), np.float32)
-        frozen.flags.writeable = False
-        call = lambda: gm.gemm(f32(4, 5), f32(5, 2), out=HostArray(frozen))  # noqa: E731
-    with pytest.raises(ConfigError) as info:
-        call()
-    assert info.value.argument == argument
-    for word in words:
-        assert word in str(info.value), (word, str(info.value))
-    assert not core.calls  # nothing was queued
-
-
-def test_layout_helper():
-    # (batch, batch_stride, rows, cols, ld, flipped)
-    assert gm._layout((4, 5), (5, 1)) == (1, 0, 4, 5, 5, False)
-    assert gm._layout((4, 5), (8, 1)) == (1, 0, 4, 5, 8, False)
-    assert gm._layout((4, 5), (1, 4)) == (1, 0, 5, 4, 4, True)
-    assert gm._layout((4, 1), (1, 1)) == (1, 0, 4, 1, 1, False)
-    assert gm._layout((1, 5), (1, 1)) == (1, 0, 1, 5, 5, False)
-    assert gm._layout((3, 4, 5), (20, 5, 1)) == (3, 20, 4, 5, 5, False)
-    assert gm._layout((3, 4, 5), (0, 5, 1)) == (3, 0, 4, 5, 5, False)
-    assert gm._layout((4, 5), (10, 2)) is None
-    assert gm._layout((4, 5), (0, 1)) is None  # broadcast rows
-    assert gm._layout((3, 4, 5), (-20, 5, 1)) is None
-
-
-# ---------------------------------------------------------------------------------------
-# Autotuning, the cache file and the progress bar (stand-in core)
-
-
-def test_autotune_calls_the_tuner_with_packed_problems(core, capsys):
+def test_autotune_calls_the_tuner_with_packed_problems(tuner, capsys):
     results = gm.autotune_gemm([(1, 4096, 4096), (256, 128, 2048, 128)], "bf16", trans_b=True,
                                max_algorithms=16, warmup=2, repeats=5)
-    assert [p for p, *_ in core.tunes] == [
-        gm._packed(2, 1, 4096, 4096, 1, False, True, False),
-        gm._packed(2, 128, 2048, 128, 256, False, True, False),
-    ]
-    assert core.tunes[0][1:] == (16, 2, 5)
+    assert tuner.tunes == [(2, False, True, 1, 4096, 4096, 1, False, 16, 2, 5),
+                           (2, False, True, 128, 2048, 128, 256, False, 16, 2, 5)]
     assert results[0]["shape"] == (1, 1, 4096, 4096) and results[1]["shape"] == (256, 128, 2048, 128)
     r = results[0]
     assert (r["dtype"], r["backend"], r["tuned_ms"], r["default_ms"]) == ("bfloat16", "cublasLt", 0.5, 0.75)
@@ -375,21 +251,21 @@ def test_autotune_calls_the_tuner_with_packed_problems(core, capsys):
     assert "autotune_gemm [" in err and "2/2" in err and "bf16 1x4096x4096 NT" in err
     # Tuned problems are not tuned again unless forced.
     again = gm.autotune_gemm([(1, 4096, 4096)], "bfloat16", trans_b=True, progress=False)
-    assert again[0]["skipped"] is True and len(core.tunes) == 2
+    assert again[0]["skipped"] is True and len(tuner.tunes) == 2
     assert capsys.readouterr().err == ""
     gm.autotune_gemm([(1, 4096, 4096)], "bfloat16", trans_b=True, progress=False, force=True)
-    assert len(core.tunes) == 3
+    assert len(tuner.tunes) == 3
 
 
 @pytest.mark.parametrize("shapes", [[(0, 4, 4)], [(4, 4)], [(1, 2, 3, 4, 5)], [("a", 2, 3)],
                                     "1x2x3", 7, [(True, 2, 3)]])
-def test_autotune_rejects_bad_shapes(core, shapes):
+def test_autotune_rejects_bad_shapes(tuner, shapes):
     with pytest.raises(ConfigError) as info:
         gm.autotune_gemm(shapes, "bf16", progress=False)
     assert info.value.argument == "shapes"
 
 
-def test_autotune_rejects_bad_options(core):
+def test_autotune_rejects_bad_options(tuner):
     for kwargs, argument in [({"max_algorithms": 0}, "max_algorithms"), ({"repeats": 0}, "repeats"),
                              ({"warmup": -1}, "warmup"), ({"trans_a": 1}, "trans_a")]:
         with pytest.raises(ConfigError) as info:
@@ -400,7 +276,7 @@ def test_autotune_rejects_bad_options(core):
     assert info.value.argument == "dtype"
 
 
-def test_cache_file_round_trip_and_merge(core, tmp_path):
+def test_cache_file_round_trip_and_merge(tuner, tmp_path):
     gm.autotune_gemm([(8, 16, 32), (2, 8, 16, 32)], "float16", progress=False)
     path = tmp_path / "gemm.json"
     assert gm.save_gemm_cache(path) == 2
@@ -413,19 +289,19 @@ def test_cache_file_round_trip_and_merge(core, tmp_path):
         8, 16, 32, 32, 16, 16)
     # Loading hands _core the same entries it exported.
     assert gm.load_gemm_cache(path) == 2
-    assert core.imported == core.cache
+    assert tuner.imported == tuner.cache
     # Another machine's entry in the file survives a save from this one.
     foreign = dict(entry, device_name="Other GPU")
     document["entries"].append(foreign)
     path.write_text(json.dumps(document))
-    core.cache.pop()
+    tuner.cache.pop()
     assert gm.save_gemm_cache(path) == 3
     names = [e["device_name"] for e in json.loads(path.read_text())["entries"]]
     assert names.count("Other GPU") == 1 and names.count("Fake GPU") == 2
     # autotune_gemm(cache_file=...) loads first and saves after.
-    core.cache.clear()
+    tuner.cache.clear()
     gm.autotune_gemm([(4, 4, 4)], "fp32", progress=False, cache_file=path)
-    assert core.imported is not None and len(json.loads(path.read_text())["entries"]) >= 3
+    assert tuner.imported is not None and len(json.loads(path.read_text())["entries"]) >= 3
 
 
 @pytest.mark.parametrize("content, words", [
@@ -434,7 +310,7 @@ def test_cache_file_round_trip_and_merge(core, tmp_path):
     ('{"format": "inferctx-gemm-cache", "version": 99, "entries": []}', ["version 99"]),
     ('{"format": "inferctx-gemm-cache", "version": 1, "entries": [1]}', ["entry 0"]),
 ])
-def test_malformed_cache_files(core, tmp_path, content, words):
+def test_malformed_cache_files(tuner, tmp_path, content, words):
     path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(ConfigError) as info:
@@ -444,7 +320,7 @@ def test_malformed_cache_files(core, tmp_path, content, words):
         assert word in str(info.value)
 
 
-def test_malformed_entries(core, tmp_path):
+def test_malformed_entries(tuner, tmp_path):
     gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
     good = gm.gemm_cache_entries()[0]
     for field, value, word in [("dtype", "int8", "dtype"), ("algo", ["0xZZ"], "algo word"),
@@ -680,6 +556,19 @@ def test_gpu_autotune_then_gemm_and_cache_file(ctx, tmp_path, capsys):
     gm.clear_gemm_cache()
 
 
+class _ReadOnly:
+    """A tensor's __cuda_array_interface__ with its read-only flag set."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    @property
+    def __cuda_array_interface__(self):
+        interface = dict(self.tensor.__cuda_array_interface__)
+        interface["data"] = (interface["data"][0], True)
+        return interface
+
+
 @pytest.mark.gpu
 def test_gpu_errors(ctx):
     torch = _torch()
@@ -706,6 +595,9 @@ def test_gpu_errors(ctx):
     with pytest.raises(ConfigError) as info:
         gm.gemm(_rand((4, 10), "float32")[:, ::2], _rand((5, 7), "float32"))
     assert info.value.argument == "a"
+    with pytest.raises(ConfigError) as info:  # out through an interface that says read-only
+        gm.gemm(a, _rand((5, 7), "float32"), out=_ReadOnly(_rand((4, 7), "float32")))
+    assert info.value.argument == "out" and "read-only" in str(info.value)
     with pytest.raises(ConfigError):
         gm.gemm(_rand((4, 5), "float64"), _rand((5, 7), "float64"))
 

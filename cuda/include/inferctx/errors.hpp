@@ -30,6 +30,8 @@ enum class Remedy : int {
   FreeMemoryThenRetake = 3,     // free device memory, then retake the workspace
   ContextOfDevice = 4,          // use the context of device `remedy_device` for that stream
   PlanWithoutDevice = 5,        // planning works without a device
+  BatchedGemm = 6,              // a batch of matrices goes to the batched entry point
+  MakeContiguous = 7,           // copy the array into a contiguous one first
 };
 
 class Error : public std::runtime_error {

@@ -45,6 +45,50 @@ GemmProblem packed_gemm_problem(int dtype, int64_t m, int64_t n, int64_t k, int6
 // (see gemm).
 void validate_gemm(const GemmProblem& problem);
 
+// ---------------------------------------------------------------------------------------
+// A call's operands as the caller holds them (gemm / bmm in Python), and the problem they make.
+
+// An array as given: any rank, any element type. Shapes and strides count elements.
+struct GemmOperand {
+  int dtype = -1;          // DType code; -1 for an element type GEMM does not take
+  std::string dtype_name;  // the caller's name for the element type, for messages
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+};
+
+// One operand's stored (row-major) matrices: `batch` of them, `stride` elements apart, each
+// `rows` x `cols` with leading dimension `ld`.
+struct GemmSpan {
+  int64_t batch = 1, stride = 0, rows = 0, cols = 0, ld = 1;
+};
+
+// What a call needs beyond its pointers, worked out once per signature from its operands'
+// shapes and strides.
+struct GemmLayout {
+  GemmProblem problem;  // as it runs (tf32 is the call's; see gemm below)
+  bool swap = false;    // out is column-major: the problem is out^T = op(b)^T op(a)^T, so b's
+                        // address goes in as A and a's as B
+  std::vector<int64_t> out_shape;  // (m, n) or (batch, m, n), as the caller sees them
+  GemmSpan span_a, span_b, span_c;  // the stored matrices of a, b and out (batch 1 when broadcast)
+};
+
+// The layout of op(a) @ op(b) for operands of `ndim` (2: gemm, 3: bmm, whose batch size 1
+// broadcasts) dimensions, with unit stride along one of their last two dimensions (a
+// column-major one is read as its transpose); `out` is null when the result is allocated as a
+// dense row-major array. Throws ConfigError naming "a", "b" or "out" (rank, dtype, layout,
+// inner or batch sizes, out's shape and dtype, out's matrices overlapping each other).
+GemmLayout gemm_layout(int ndim, bool trans_a, bool trans_b, const GemmOperand& a, const GemmOperand& b,
+                       const GemmOperand* out);
+
+// Throws ConfigError("out") where out shares memory with a or b (out side by side with an input
+// in the rows of one buffer is allowed), and ConfigError naming the operand whose address is not
+// a multiple of its element size.
+void check_gemm_addresses(const GemmLayout& layout, uintptr_t a, uintptr_t b, uintptr_t c);
+
+// The form the algorithm cache keys a problem by (export_gemm_cache gives it): TF32 only for
+// Float32, batch strides 0 without a batch.
+GemmProblem normalized_gemm_problem(const GemmProblem& problem);
+
 // Queues the product on `stream`, on the handle's device (made current for the call; the
 // caller's current device is the same afterwards). nullptr, the legacy default stream, is
 // refused with ConfigError("stream") as everywhere in inferctx (pass cudaStreamLegacy to mean
@@ -58,6 +102,11 @@ void validate_gemm(const GemmProblem& problem);
 // handle's workspace (as cuBLAS's own calls do).
 void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem, const void* a,
           const void* b, void* c, float alpha = 1.0f, float beta = 0.0f);
+
+// A call of a worked-out layout: check_gemm_addresses, then the product above with the
+// operands in the layout's order and `tf32` for Float32.
+void gemm(CublasHandle& handle, cudaStream_t stream, const GemmLayout& layout, const void* a, const void* b,
+          void* c, float alpha, float beta, bool tf32);
 
 // Which library call runs a cached algorithm.
 enum class GemmBackend : int {

@@ -1,0 +1,265 @@
+# Part of _core.pyx: GEMM on the context's cuBLAS handle. The layout of a call's operands is
+# worked out by inferctx::gemm_layout (cuda/src/gemm_layout.cpp) once per call signature and
+# kept here, for the general path (_gemm, on operands the call contract imported) and for the
+# torch fast path (_torch_gemm); then the tuner and algorithm-cache glue of python/inferctx/gemm.py.
+
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libcpp.vector cimport vector as cpp_vector
+
+from inferctx._decl_gemm cimport (
+    GemmCacheEntry, GemmLayout, GemmOperand, GemmProblem, GemmTuneOptions, GemmTuneResult,
+    check_gemm_addresses, clear_gemm_cache, export_gemm_cache, gemm, gemm_layout,
+    import_gemm_cache, normalized_gemm_problem, packed_gemm_problem, tune_gemm)
+from inferctx._decl_gpu cimport CppInferenceContext, cudaStreamLegacy, cudaStream_t
+
+
+cdef class _GemmLayout:
+    """A worked-out inferctx::GemmLayout."""
+    cdef GemmLayout c
+    cdef tuple out_shape
+
+
+# Layouts by call signature: (ndim, trans_a, trans_b, then dtype index, shape and strides of a,
+# b and out; None for out's when there is no out). Bounded; cleared when full.
+cdef dict _gemm_layouts = {}
+cdef Py_ssize_t _GEMM_LAYOUT_LIMIT = 4096
+
+
+cdef GemmOperand _gemm_operand(int dtype, str dtype_name, tuple shape, tuple strides) except *:
+    cdef GemmOperand x
+    x.dtype = dtype if DT_FLOAT32 <= dtype <= DT_BFLOAT16 else -1
+    x.dtype_name = dtype_name.encode()
+    for n in shape:
+        x.shape.push_back(n)
+    for s in strides:
+        x.strides.push_back(s)
+    return x
+
+
+cdef _GemmLayout _new_gemm_layout(int ndim, bint trans_a, bint trans_b, GemmOperand* a,
+                                  GemmOperand* b, GemmOperand* out):
+    cdef _GemmLayout layout = _GemmLayout.__new__(_GemmLayout)
+    layout.c = gemm_layout(ndim, trans_a, trans_b, a[0], b[0], out)
+    layout.out_shape = tuple(layout.c.out_shape)
+    return layout
+
+
+cdef _GemmLayout _gemm_layout_of(int ndim, bint trans_a, bint trans_b, CudaArray a, CudaArray b,
+                                 CudaArray c):
+    """The layout of a call on imported operands (c None for a new result), worked out once per
+    signature; ConfigError naming a, b or out for what cannot be run."""
+    if c is None:
+        key = (ndim, trans_a, trans_b, a._dtype, a.shape, a.strides, b._dtype, b.shape, b.strides,
+               None, None, None)
+    else:
+        key = (ndim, trans_a, trans_b, a._dtype, a.shape, a.strides, b._dtype, b.shape, b.strides,
+               c._dtype, c.shape, c.strides)
+    found = _gemm_layouts.get(key)
+    if found is not None:
+        return <_GemmLayout>found
+    cdef GemmOperand oa = _gemm_operand(a._dtype, a.dtype, a.shape, a.strides)
+    cdef GemmOperand ob = _gemm_operand(b._dtype, b.dtype, b.shape, b.strides)
+    cdef GemmOperand oc
+    if c is not None:
+        oc = _gemm_operand(c._dtype, c.dtype, c.shape, c.strides)
+    cdef _GemmLayout layout = _new_gemm_layout(ndim, trans_a, trans_b, &oa, &ob,
+                                               <GemmOperand*>NULL if c is None else &oc)
+    if len(_gemm_layouts) >= _GEMM_LAYOUT_LIMIT:
+        _gemm_layouts.clear()
+    _gemm_layouts[key] = layout
+    return layout
+
+
+cdef int _run_gemm(InferenceContext ctx, uintptr_t stream, _GemmLayout layout, uintptr_t a,
+                   uintptr_t b, uintptr_t c, float alpha, float beta, bint tf32) except -1:
+    """inferctx::gemm of a layout: the address checks, then the product queued on `stream`."""
+    cdef CppInferenceContext* cx = ctx._c
+    cdef GemmLayout* lp = &layout.c
+    with nogil:
+        gemm(cx.cublas(), <cudaStream_t>stream, lp[0], <const void*>a, <const void*>b, <void*>c,
+             alpha, beta, tf32)
+    return 0
+
+
+def _gemm(_Call call, int ndim, CudaArray a, CudaArray b, CudaArray c, object out, bint trans_a,
+          bint trans_b, float alpha, float beta, bint tf32):
+    """gemm (ndim 2) or bmm (ndim 3) of operands the call imported (c: out's, None for a new
+    result), queued on the call's stream; returns out, or the new result in the call's package.
+    ConfigError naming a, b or out, before anything is launched, for what cannot be run."""
+    cdef _GemmLayout layout = _gemm_layout_of(ndim, trans_a, trans_b, a, b, c)
+    cdef uintptr_t c_ptr
+    if c is None:
+        out = call.result(a._dtype, layout.out_shape, None)
+        c_ptr = _result_ptr(out)
+    else:
+        c_ptr = c.ptr
+    _run_gemm(call.ctx, call.kernel, layout, a.ptr, b.ptr, c_ptr, alpha, beta, tf32)
+    return out
+
+
+def _torch_gemm(int ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
+    """gemm / bmm of torch tensors on torch's current stream (gemm.py calls it first when no
+    stream= is given), when nothing in the call needs more than reading the tensors: the layout
+    of their signature was worked out before (by the general path), and the devices agree with
+    each other and ctx. Returns NotImplemented otherwise (also while a workspace is released),
+    and gemm.py's path (which says what is wrong) takes the call."""
+    if _torch_to_dt is None:
+        _refresh_packages()
+    if (_torch_to_dt is None or _released_contexts
+            or not isinstance(a, _torch_tensor)
+            or not isinstance(b, _torch_tensor)
+            or (out is not None and not isinstance(out, _torch_tensor))
+            or type(alpha) is not float
+            or type(beta) is not float
+            or (trans_a is not True and trans_a is not False)
+            or (trans_b is not True and trans_b is not False)
+            or (tf32 is not True and tf32 is not False)
+            or (out is None and beta != 0.0)):
+        return NotImplemented
+    cdef int device = a.get_device()
+    if device < 0 or b.get_device() != device or (out is not None and out.get_device() != device):
+        return NotImplemented
+    cdef InferenceContext context = _fast_path_context(ctx, device)
+    if context is None:
+        return NotImplemented
+    if out is None:
+        key = (ndim, trans_a, trans_b, _torch_to_dt.get(a.dtype), a.shape, a.stride(),
+               _torch_to_dt.get(b.dtype), b.shape, b.stride(), None, None, None)
+    else:
+        key = (ndim, trans_a, trans_b, _torch_to_dt.get(a.dtype), a.shape, a.stride(),
+               _torch_to_dt.get(b.dtype), b.shape, b.stride(), _torch_to_dt.get(out.dtype),
+               out.shape, out.stride())
+    found = _gemm_layouts.get(key)
+    if found is None:
+        return NotImplemented
+    cdef _GemmLayout layout = <_GemmLayout>found
+    if out is None:
+        out = a.new_empty(layout.out_shape)
+    cdef object raw = _torch_raw_stream(device)
+    cdef uintptr_t stream = <uintptr_t>cudaStreamLegacy if raw == 0 else <uintptr_t>raw
+    _run_gemm(context, stream, layout, a.data_ptr(), b.data_ptr(), out.data_ptr(), alpha, beta, tf32)
+    return out
+
+
+def _gemm_layout(int ndim, bint trans_a, bint trans_b, a, b, out=None, addresses=None):
+    """The layout inferctx::gemm_layout works out for operands given as (dtype name, shape,
+    strides) tuples (out None for a new result), on the host: nothing is launched. A dict of its
+    GemmProblem fields, ``swap`` and ``out_shape``. With ``addresses`` (a, b, out as ints),
+    check_gemm_addresses runs on them too."""
+    cdef GemmOperand ops[3]
+    cdef int i
+    for i, spec in enumerate((a, b, out)):
+        if spec is not None:
+            name, shape, strides = spec
+            ops[i] = _gemm_operand(_DTYPE_BY_NAME.get(name, -1), name, tuple(shape), tuple(strides))
+    cdef _GemmLayout layout = _new_gemm_layout(ndim, trans_a, trans_b, &ops[0], &ops[1],
+                                               <GemmOperand*>NULL if out is None else &ops[2])
+    cdef uintptr_t pa, pb, pc
+    if addresses is not None:
+        pa, pb, pc = addresses
+        check_gemm_addresses(layout.c, pa, pb, pc)
+    d = _problem_dict(layout.c.problem)
+    d["swap"] = layout.c.swap
+    d["out_shape"] = layout.out_shape
+    return d
+
+
+cdef GemmProblem _gemm_problem(int dtype, bint trans_a, bint trans_b, int64_t m, int64_t n, int64_t k,
+                               int64_t batch, int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a,
+                               int64_t stride_b, int64_t stride_c, bint tf32) noexcept:
+    cdef GemmProblem p
+    p.dtype = dtype
+    p.trans_a = trans_a
+    p.trans_b = trans_b
+    p.m, p.n, p.k, p.batch = m, n, k, batch
+    p.lda, p.ldb, p.ldc = lda, ldb, ldc
+    p.stride_a, p.stride_b, p.stride_c = stride_a, stride_b, stride_c
+    p.tf32 = tf32
+    return p
+
+
+cdef dict _problem_dict(const GemmProblem& p):
+    return {"dtype": p.dtype, "trans_a": p.trans_a, "trans_b": p.trans_b, "m": p.m, "n": p.n,
+            "k": p.k, "batch": p.batch, "lda": p.lda, "ldb": p.ldb, "ldc": p.ldc,
+            "stride_a": p.stride_a, "stride_b": p.stride_b, "stride_c": p.stride_c, "tf32": p.tf32}
+
+
+def _gemm_packed_problem(int dtype, int64_t m, int64_t n, int64_t k, int64_t batch, bint trans_a,
+                         bint trans_b, bint tf32):
+    """The problem of densely packed operands as the algorithm cache keys it (normalized), as a
+    dict: what autotune_gemm tunes for a shape, and what a contiguous call of it runs."""
+    return _problem_dict(normalized_gemm_problem(
+        packed_gemm_problem(dtype, m, n, k, batch, trans_a, trans_b, tf32)))
+
+
+def _gemm_tune(InferenceContext ctx, int dtype, bint trans_a, bint trans_b, int64_t m, int64_t n,
+               int64_t k, int64_t batch, bint tf32, int max_algorithms, int warmup, int repeats):
+    """inferctx::tune_gemm of the packed problem of a shape, on the context's handle, on
+    ctx.stream; the GemmTuneResult as a dict."""
+    cdef GemmProblem p = packed_gemm_problem(dtype, m, n, k, batch, trans_a, trans_b, tf32)
+    cdef GemmTuneOptions options
+    options.max_algorithms = max_algorithms
+    options.warmup = warmup
+    options.repeats = repeats
+    cdef CppInferenceContext* cx = ctx._c
+    cdef GemmTuneResult r
+    cdef uintptr_t stream = _ctx_stream(ctx)
+    with nogil:
+        r = tune_gemm(cx.cublas(), <cudaStream_t>stream, p, options)
+    return {
+        "backend": r.backend, "algo_index": r.algo_index, "algo": [w for w in r.algo],
+        "algo_id": r.algo_id, "tile_id": r.tile_id, "stages_id": r.stages_id, "splitk": r.splitk,
+        "default_ms": r.default_ms, "best_ms": r.best_ms, "candidates": r.candidates,
+        "valid": r.valid, "rotated_sets": r.rotated_sets,
+    }
+
+
+def _gemm_cache_export(tuned_only):
+    """The GEMM algorithm cache as a list of dicts (GemmCacheEntry fields)."""
+    cdef bint only = _bool_arg(tuned_only, "tuned_only")
+    cdef cpp_vector[GemmCacheEntry] entries
+    with nogil:
+        entries = export_gemm_cache(only)
+    out = []
+    cdef size_t i
+    cdef GemmCacheEntry* e
+    for i in range(entries.size()):
+        e = &entries[i]
+        out.append({
+            "device": e.device, "device_name": e.device_name.decode("utf-8", "replace"),
+            "cublas_version": e.cublas_version, "problem": _problem_dict(e.problem),
+            "align_a": e.align_a, "align_b": e.align_b, "align_c": e.align_c,
+            "backend": e.backend, "algo": [w for w in e.algo], "time_ms": e.time_ms,
+        })
+    return out
+
+
+def _gemm_cache_import(entries):
+    """Adds cache entries (dicts as _gemm_cache_export gives); returns how many were taken."""
+    cdef cpp_vector[GemmCacheEntry] v
+    cdef GemmCacheEntry e
+    for d in entries:
+        e.device = d["device"]
+        e.device_name = str(d["device_name"]).encode()
+        e.cublas_version = d["cublas_version"]
+        q = d["problem"]
+        e.problem = _gemm_problem(q["dtype"], q["trans_a"], q["trans_b"], q["m"], q["n"], q["k"],
+                                  q["batch"], q["lda"], q["ldb"], q["ldc"], q["stride_a"],
+                                  q["stride_b"], q["stride_c"], q["tf32"])
+        e.align_a, e.align_b, e.align_c = d["align_a"], d["align_b"], d["align_c"]
+        e.backend = d["backend"]
+        e.algo.clear()
+        for w in d["algo"]:
+            e.algo.push_back(<uint64_t>w)
+        e.time_ms = d["time_ms"]
+        v.push_back(e)
+    cdef int64_t taken
+    with nogil:
+        taken = import_gemm_cache(v)
+    return taken
+
+
+def _gemm_cache_clear():
+    """Empties the GEMM algorithm cache."""
+    with nogil:
+        clear_gemm_cache()
