@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ConfigError, WorkspaceStateError
 from . import _layers as L
 from ._backend import CpuBackend, CpuContext, GpuBackend, _Carver, _side_stream
+from ._fused import FusedOps, fused_ops, unfused
 from ._models import TORCH_DTYPES, Weights
 from ._spec import ModelSpec, dtype_name
 
@@ -61,11 +61,15 @@ class ReferenceDecoder:
         resid_pdrop places), through ``inferctx.dropout``; 0 (default) runs none.
     use_graph
         Replay each decode step from a CUDA graph captured at the first one (GPU only).
+    fused
+        Run GELU, SiLU times the up projection and RoPE as one inferctx kernel each instead of
+        torch's sequences of small kernels, where each gives the sequence's bits on this torch
+        build (checked once per device and dtype; ``fused_kernels`` says which are in use). GPU only.
     """
 
     def __init__(self, model: Any, *, batch_size: int, prompt_len: int, max_new_tokens: int,
                  dtype: Any = "float16", ctx: Any = None, device: int | None = None, dropout: float = 0.0,
-                 use_graph: bool = True) -> None:
+                 use_graph: bool = True, fused: bool = True) -> None:
         self.spec = ModelSpec.from_hf_config(model.config)
         self.batch = _positive(batch_size, "batch_size")
         self.prompt_len = _positive(prompt_len, "prompt_len")
@@ -90,6 +94,9 @@ class ReferenceDecoder:
         self.ctx = ctx
         self.device = self.backend.device
         self.use_graph = bool(use_graph) and self.backend.on_gpu
+        index = self.device.index if self.backend.on_gpu else -1
+        self._ops: FusedOps = (fused_ops(index, self.dtype) if fused and self.backend.on_gpu
+                               else unfused(index, self.dtype))
         self.weights = Weights.from_hf(model, s, self.device, self.dtype)  # before the plan reads free memory
         self.plan = ctx.gen_workspace(s.model_shape(), batch_size=self.batch, prompt_len=self.prompt_len,
                                       max_out_tokens=self.prompt_len + self.max_new_tokens,
@@ -156,6 +163,12 @@ class ReferenceDecoder:
     def logits(self) -> torch.Tensor:
         """The last step's logits [batch, vocab] (a workspace view, overwritten by the next step)."""
         return self.buf["logits"].view(self.batch, self.spec.vocab_size)
+
+    @property
+    def fused_kernels(self) -> tuple[str, ...]:
+        """The fused inferctx kernels this decoder runs in place of torch's sequences: a subset of
+        ("gelu_new", "silu_mul", "rope"); empty on the CPU or with ``fused=False``."""
+        return self._ops.names
 
     @property
     def workspace_bytes(self) -> int:
@@ -240,10 +253,10 @@ class ReferenceDecoder:
             q_dst = qh.view(b, nh, n, hd).transpose(1, 2)
             if llama:
                 ra, rb = buf["ra"][:N * H].view(b, n, nh, hd), buf["rb"][:N * H].view(b, n, nh, hd)
-                L.rope(q, cos, sin, q_dst, ra, rb)
+                self._ops.rope(q, cos, sin, q_dst, ra, rb)
                 k_rot = buf["kr"][:N * KV].view(b, n, nkv, hd)
-                L.rope(k, cos, sin, k_rot, buf["ra"][:N * KV].view(b, n, nkv, hd),
-                       buf["rb"][:N * KV].view(b, n, nkv, hd))
+                self._ops.rope(k, cos, sin, k_rot, buf["ra"][:N * KV].view(b, n, nkv, hd),
+                               buf["rb"][:N * KV].view(b, n, nkv, hd))
                 k = k_rot
             else:
                 q_dst.copy_(q)
@@ -280,14 +293,13 @@ class ReferenceDecoder:
                 gate_up = buf["mlp"][:N * 2 * I].view(N, 2 * I)
                 self._linear(xn, lw.up, lw.up_b, gate_up)
                 gate = gate_up[:, :I]
-                F.silu(gate, inplace=True)
-                gate.mul_(gate_up[:, I:])
+                self._ops.silu_mul_(gate, gate_up[:, I:])
                 self._linear(gate, lw.down, lw.down_b, tmp)
             else:
                 I = s.intermediate
                 up = buf["mlp"][:N * I].view(N, I)
                 self._linear(xn, lw.up, lw.up_b, up)
-                L.gelu_new_(up, buf["gelu"][:N * I].view(N, I))
+                self._ops.gelu_new_(up, buf["gelu"][:N * I].view(N, I))
                 self._linear(up, lw.down, lw.down_b, tmp)
             self._residual(x, tmp, N)
         last = x if decode else x.view(b, n, h)[:, n - 1]
