@@ -49,6 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--no-fused", action="store_true",
+                    help="torch's elementwise sequences instead of the fused kernels (ReferenceDecoder(fused=False))")
     ap.add_argument("--json", help="write the results to this file")
     return ap.parse_args(argv)
 
@@ -118,7 +120,10 @@ def bench_one(torch, args, name, batch, hf):
     spec_vocab = hf.config.vocab_size
     gen = torch.Generator().manual_seed(args.seed + batch)
     prompt = torch.randint(0, spec_vocab, (batch, length), generator=gen).cuda()
-    dec = ReferenceDecoder(hf, batch_size=batch, prompt_len=length, max_new_tokens=n, dtype=args.dtype)
+    dec = ReferenceDecoder(hf, batch_size=batch, prompt_len=length, max_new_tokens=n, dtype=args.dtype,
+                           fused=not args.no_fused)
+    if batch == args.batches[0]:
+        print(f"{name}: fused kernels in use: {', '.join(dec.fused_kernels) or 'none'}")
     # the first generation: its first decode step runs eagerly and is captured (the capture's
     # temporaries count; they stay in the graph's pool)
     ours_rise = peak_rise(torch, lambda: dec.generate(prompt))
