@@ -1,10 +1,11 @@
 """inferctx.gemm / bmm / autotune_gemm and the GEMM cache file.
 
 Two halves. Without a GPU: the layout the C++ layer works out for operands' shapes and strides
-(``_core._gemm_layout``, host code: nothing is launched) against values worked out by hand, its
-refusals, the argument checks of the Python API, and autotune_gemm's bookkeeping and cache file
-with a stand-in for the GPU timing alone. With a GPU (``gpu`` marker), everything runs for real
-against float64 references with torch.
+(``_core._gemm_layout``, host code: nothing is launched) against values worked out by hand
+(test_gemm_layout.py runs those layouts on a host emulator of cuBLAS against NumPy's product),
+its refusals, the argument checks of the Python API, and autotune_gemm's bookkeeping and cache
+file with a stand-in for the GPU timing alone. With a GPU (``gpu`` marker), everything runs for
+real against float64 references with torch.
 """
 
 from __future__ import annotations
