@@ -294,9 +294,6 @@ cdef class _Call:
     def import_array(self, obj, argument):
         return self.array(obj, argument)
 
-    def new_result(self, dtype, shape):
-        return self.result(_dtype_index(dtype, "dtype"), tuple(shape), None)
-
     def done(self):
         self.finish()
 

@@ -70,6 +70,18 @@ void check_pointer(const char* name, const void* p, int64_t alignment) {
                       std::to_string(alignment) + " bytes)");
 }
 
+// The input and output of a call on `bytes` > 0 bytes of elem-byte elements: both aligned, and
+// the output either the input itself (in place) or apart from it. Returns bytes.
+int64_t checked_in_out(const char* in_name, const void* in, const char* out_name, const void* out, int64_t bytes,
+                       int64_t elem) {
+  check_pointer(in_name, in, elem);
+  check_pointer(out_name, out, elem);
+  if (in != out && overlaps(in, bytes, out, bytes))
+    invalid(out_name, std::string("partly overlaps ") + in_name + "; pass " + in_name +
+                          " itself (in place) or a separate array");
+  return bytes;
+}
+
 // The mask of p == 0: every element kept. Bits: n / 8 bytes of ones, a partial byte, then zero
 // bytes up to the end of the last word (bit i of the little-endian words is bit i % 8 of byte i / 8).
 void fill_mask_all_kept(void* mask, int64_t n, MaskMode mode, cudaStream_t stream, int device) {
@@ -153,12 +165,8 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
   }
   const MaskMode mode = static_cast<MaskMode>(mask_mode);
   if (n == 0) return;
-  const int64_t bytes = n * elem;
+  const int64_t bytes = checked_in_out("x", x, "y", y, n * elem, elem);
   const int64_t mask_bytes = dropout_mask_bytes(n, mask_mode);
-  check_pointer("x", x, elem);
-  check_pointer("y", y, elem);
-  if (x != y && overlaps(x, bytes, y, bytes))
-    invalid("y", "partly overlaps x; pass x itself (in place) or a separate array");
   if (mode != MaskMode::None) {
     check_pointer("mask", mask, mode == MaskMode::Bits ? 4 : 1);
     if (overlaps(mask, mask_bytes, x, bytes) || overlaps(mask, mask_bytes, y, bytes))
@@ -195,13 +203,9 @@ void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n
   check_p(p);
   const MaskMode mode = static_cast<MaskMode>(mask_mode);
   if (n == 0) return;
-  const int64_t bytes = n * elem;
+  const int64_t bytes = checked_in_out("grad", grad, "out", out, n * elem, elem);
   const int64_t mask_bytes = dropout_mask_bytes(n, mask_mode);
-  check_pointer("grad", grad, elem);
-  check_pointer("out", out, elem);
   check_pointer("mask", mask, mode == MaskMode::Bits ? 4 : 1);
-  if (grad != out && overlaps(grad, bytes, out, bytes))
-    invalid("out", "partly overlaps grad; pass grad itself (in place) or a separate array");
   if (overlaps(mask, mask_bytes, out, bytes))
     invalid("mask", "overlaps out; the mask needs its own " + std::to_string(mask_bytes) + " bytes");
 

@@ -46,9 +46,9 @@ const char* cublas_call_name(const GemmProblem& p) {
   return p.batch > 1 ? "cublasGemmStridedBatchedEx" : "cublasGemmEx";
 }
 
-cublasStatus_t run_cublas(CublasHandle& handle, cudaStream_t stream, const GemmProblem& p, const void* a,
-                          const void* b, void* c, const float* alpha, const float* beta) {
-  (void)stream;  // the handle is bound to it (CublasHandle::begin_use)
+cublasStatus_t run_cublas(CublasHandle& handle, const GemmProblem& p, const void* a, const void* b, void* c,
+                          const float* alpha, const float* beta) {
+  // The handle is bound to the call's stream (CublasHandle::begin_use).
   const cublasOperation_t op_first = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // our B goes first
   const cublasOperation_t op_second = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   // With CUBLAS_COMPUTE_32F cuBLAS follows the handle's math mode, which may allow TF32.
@@ -129,7 +129,7 @@ void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
     fallback->source = choice->source;
     store_choice(key, std::move(fallback));
   }
-  check_cublas(run_cublas(handle, stream, p, a, b, c, &alpha, &beta), cublas_call_name(p), device);
+  check_cublas(run_cublas(handle, p, a, b, c, &alpha, &beta), cublas_call_name(p), device);
 }
 
 void gemm(CublasHandle& handle, cudaStream_t stream, const GemmLayout& layout, const void* a, const void* b,

@@ -138,7 +138,8 @@ cublasStatus_t run_lt(const CublasHandle& handle, cudaStream_t stream, const Alg
 
 const char* cublas_call_name(const GemmProblem& p);
 
-cublasStatus_t run_cublas(CublasHandle& handle, cudaStream_t stream, const GemmProblem& p, const void* a,
-                          const void* b, void* c, const float* alpha, const float* beta);
+// cublasGemmEx / cublasGemmStridedBatchedEx of p on the stream the handle is bound to.
+cublasStatus_t run_cublas(CublasHandle& handle, const GemmProblem& p, const void* a, const void* b, void* c,
+                          const float* alpha, const float* beta);
 
 }  // namespace inferctx::detail

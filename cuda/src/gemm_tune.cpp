@@ -192,7 +192,7 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
   auto run = [&](const Candidate& cand, int64_t set, void* out) -> cublasStatus_t {
     const void* a = a_sets[static_cast<size_t>(set)]->data();
     const void* b = b_sets[static_cast<size_t>(set)]->data();
-    if (cand.backend == GemmBackend::Cublas) return run_cublas(handle, stream, p, a, b, out, &one, &zero);
+    if (cand.backend == GemmBackend::Cublas) return run_cublas(handle, p, a, b, out, &one, &zero);
     return run_lt(handle, stream, *base, &cand.algo, a, b, out, &one, &zero);
   };
   auto compare = [&](const void* x, const void* y) -> CompareSums {

@@ -98,6 +98,16 @@ def gpu(torch):
     return torch, _fused
 
 
+def verified(gpu, dtype):
+    """torch, the dtype, and the fused kernels for it, every one of them verified (otherwise the
+    calls below would run torch's own sequences and compare them with themselves)."""
+    torch, F = gpu
+    dt = getattr(torch, dtype)
+    ops = F.fused_ops(torch.cuda.current_device(), dt)
+    assert ops.names == ("gelu_new", "silu_mul", "rope"), ops.names
+    return torch, dt, ops
+
+
 def bits_equal(torch, got, want):
     view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[got.dtype]
     same = got.view(view) == want.view(view)
@@ -116,19 +126,16 @@ def every_value(torch, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_kernel_is_verified_on_this_torch(gpu, dtype):
-    torch, F = gpu
-    ops = F.fused_ops(torch.cuda.current_device(), getattr(torch, dtype))
-    assert ops.names == ("gelu_new", "silu_mul", "rope"), ops.names
+    torch, dt, ops = verified(gpu, dtype)
+    assert ops.cube in (0, 1, 2) and ops.dtype == dt
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gelu_gives_the_sequences_bits_for_every_value(gpu, dtype):
-    torch, F = gpu
     from inferctx.decoder import _layers as L
 
-    dt = getattr(torch, dtype)
-    ops = F.fused_ops(torch.cuda.current_device(), dt)
+    torch, dt, ops = verified(gpu, dtype)
     x = every_value(torch, dt).view(64, -1)  # 2-D, as the decoder's MLP rows
     want = x.clone()
     L.gelu_new_(want, torch.empty_like(want))
@@ -141,9 +148,7 @@ def test_gelu_gives_the_sequences_bits_for_every_value(gpu, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_on_the_two_halves_of_one_matrix(gpu, dtype):
-    torch, F = gpu
-    dt = getattr(torch, dtype)
-    ops = F.fused_ops(torch.cuda.current_device(), dt)
+    torch, dt, ops = verified(gpu, dtype)
     x = every_value(torch, dt)
     cols = 512
     rows = x.numel() // cols
@@ -176,11 +181,9 @@ def rope_case(torch, dtype, n, first, g):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, first", [(7, 0), (1, 5000)])
 def test_rope_into_the_decoders_destinations(gpu, dtype, n, first):
-    torch, F = gpu
     from inferctx.decoder import _layers as L
 
-    dt = getattr(torch, dtype)
-    ops = F.fused_ops(torch.cuda.current_device(), dt)
+    torch, dt, ops = verified(gpu, dtype)
     g = torch.Generator(device="cuda").manual_seed(n)
     q, k, cos, sin = rope_case(torch, dt, n, first, g)
     b, _, heads, hd = q.shape
@@ -196,11 +199,9 @@ def test_rope_into_the_decoders_destinations(gpu, dtype, n, first):
 
 @pytest.mark.gpu
 def test_the_kernels_replay_from_a_cuda_graph(gpu):
-    torch, F = gpu
     from inferctx.decoder import _layers as L
 
-    dt = torch.float16
-    ops = F.fused_ops(torch.cuda.current_device(), dt)
+    torch, dt, ops = verified(gpu, "float16")
     g = torch.Generator(device="cuda").manual_seed(5)
     q, _, cos, sin = rope_case(torch, dt, 1, 100, g)
     x = torch.randn(8, 3072, device="cuda").to(dt)
