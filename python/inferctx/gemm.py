@@ -82,9 +82,6 @@ _DL_PLACES = {1: "host", 3: "pinned host", 2: "CUDA device", 13: "CUDA managed"}
 # before take this compiled path (NotImplemented where the general one must decide).
 _torch_gemm = _core._torch_gemm
 
-# Contexts by device ordinal (one per device for the life of the process).
-_contexts: dict = {}
-
 
 # ---------------------------------------------------------------------------------------
 # Public API
@@ -328,7 +325,7 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
     if out is not None:
         _device_hint(out, "out", name)
     if ctx is None and device is None and b_device is not None:
-        ctx = _contexts.get(b_device) or _context_for(b_device)
+        ctx = _core.InferenceContext.instance(b_device)  # the device's one context
     elif ctx is not None and device is not None and device != _context_device(ctx):
         _ctx_device_error(name, device, _context_device(ctx))
     call = _core._begin((a, b, out), ctx, stream)
@@ -361,12 +358,6 @@ def _scalar(value, argument) -> float:
 
 # ---------------------------------------------------------------------------------------
 # Devices, contexts and torch
-
-
-def _context_for(device):
-    ctx = _core.InferenceContext.instance(device)
-    _contexts[device] = ctx
-    return ctx
 
 
 def _context_of_current_device():
