@@ -254,3 +254,22 @@ def test_the_decoder_gives_the_same_logits_with_and_without_them(gpu, arch):
         outs.append(dec.generate(prompt, return_logits=True))
         del dec
     assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].tokens, outs[1].tokens)
+
+
+def test_on_the_cpu_the_decoder_runs_torchs_sequences():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+    from inferctx.decoder import _fused
+
+    hf = build_hf_model(model_spec("llama-tiny", num_layers=1, vocab_size=256), seed=0)
+    dec = ReferenceDecoder(hf, batch_size=1, prompt_len=4, max_new_tokens=2, dtype="float32", ctx=CpuContext())
+    assert dec.fused_kernels == ()
+    ops = _fused.unfused(-1, torch.float32)
+    x = torch.randn(4, 64)
+    want = x.clone()
+    from inferctx.decoder import _layers as L
+
+    L.gelu_new_(want, torch.empty_like(want))
+    ops.gelu_new_(x, torch.empty_like(x))  # no GPU kernel is reached: torch's sequence
+    assert torch.equal(x, want)
