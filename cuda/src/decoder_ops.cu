@@ -12,14 +12,19 @@
 #include <climits>
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
 #include "inferctx/plan.hpp"
+#include "array_checks.hpp"
 #include "dtype_dispatch.hpp"
+#include "elem.cuh"
 
 namespace inferctx {
+
+using detail::address;
+using detail::check_pointer;
+using detail::invalid;
 
 namespace {
 
@@ -27,25 +32,13 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1 << 16;  // the kernels loop over what a capped grid leaves
 
 template <typename T>
-__device__ __forceinline__ float load(const T& v) {
-  if constexpr (sizeof(T) == 4) {
-    return v;
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(v);
-  } else {
-    return __bfloat162float(v);
-  }
+__device__ __forceinline__ float load(T v) {
+  return detail::Elem<T>::to_float(v);
 }
 
 template <typename T>
 __device__ __forceinline__ T store(float v) {
-  if constexpr (sizeof(T) == 4) {
-    return v;
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __float2half_rn(v);
-  } else {
-    return __float2bfloat16_rn(v);
-  }
+  return detail::Elem<T>::from_float(v);
 }
 
 // v rounded to T and back: what an eager kernel's result holds.
@@ -125,12 +118,6 @@ __global__ void rope_kernel(const T* src, T* dst, const T* cos, const T* sin, in
 
 // -- host side -------------------------------------------------------------------------------
 
-[[noreturn]] void invalid(const char* argument, const std::string& detail) {
-  throw ConfigError(argument, std::string(argument) + ": " + detail);
-}
-
-uintptr_t address(const void* p) { return reinterpret_cast<uintptr_t>(p); }
-
 void check_count(const char* name, int64_t v) {
   if (v < 0) invalid(name, "got " + std::to_string(v) + "; must be >= 0");
   if (v > INT32_MAX) invalid(name, "got " + std::to_string(v) + "; at most 2147483647 is supported");
@@ -141,25 +128,17 @@ void check_stride(const char* name, int64_t v) {
     invalid(name, "got " + std::to_string(v) + "; strides (in elements) must be in [0, 2^40]");
 }
 
-void check_pointer(const char* name, const void* p, int64_t elem) {
-  if (p == nullptr) invalid(name, "is null; pass a device pointer");
-  if (address(p) % static_cast<uint64_t>(elem) != 0)
-    invalid(name, "address " + std::to_string(address(p)) + " is not aligned to its element size (" +
-                      std::to_string(elem) + " bytes)");
+// The bytes from the first element of an array of `dims` sizes (each > 0) and element strides
+// to the end of its last element; ConfigError(argument) when that passes 2^63.
+int64_t span_bytes(const char* argument, const int64_t* sizes, const int64_t* strides, int dims, int64_t elem) {
+  int64_t last = 0, part = 0, bytes = 0;
+  bool over = false;
+  for (int k = 0; k < dims && !over; ++k)
+    over = __builtin_mul_overflow(sizes[k] - 1, strides[k], &part) || __builtin_add_overflow(last, part, &last);
+  if (over || __builtin_add_overflow(last, 1, &last) || __builtin_mul_overflow(last, elem, &bytes))
+    invalid(argument, "the array these sizes and strides describe would span more than 2^63 bytes");
+  return bytes;
 }
-
-// [lo, hi) of the bytes an array of `dims` sizes and element strides touches (every size > 0).
-struct Span {
-  uintptr_t lo, hi;
-};
-
-Span span_of(const void* p, const int64_t* sizes, const int64_t* strides, int dims, int64_t elem) {
-  int64_t last = 0;
-  for (int k = 0; k < dims; ++k) last += (sizes[k] - 1) * strides[k];
-  return {address(p), address(p) + static_cast<uintptr_t>((last + 1) * elem)};
-}
-
-bool overlap(const Span& a, const Span& b) { return a.lo < b.hi && b.lo < a.hi; }
 
 unsigned blocks_for(int64_t work) {
   int64_t blocks = (work + kThreads - 1) / kThreads;
@@ -205,7 +184,7 @@ void silu_mul_inplace(void* gate, const void* up, int64_t rows, int64_t cols, in
   const int64_t sizes[2] = {rows, cols};
   const int64_t gs[2] = {ld_gate, 1};
   const int64_t us[2] = {ld_up, 1};
-  if (overlap(span_of(gate, sizes, gs, 2, elem), span_of(up, sizes, us, 2, elem))) {
+  if (detail::overlaps(gate, span_bytes("ld_gate", sizes, gs, 2, elem), up, span_bytes("ld_up", sizes, us, 2, elem))) {
     // Interleaved rows of one matrix (gate = m[:, :cols], up = m[:, cols:]) share no element:
     // the same row stride, and up's column offset within a row in [cols, ld - cols].
     const int64_t diff = static_cast<int64_t>(address(up)) - static_cast<int64_t>(address(gate));
@@ -244,10 +223,11 @@ void rope_apply(const void* src, void* dst, const void* cos, const void* sin, in
   }
   check_stride("cs_token_stride", cs_token_stride);
   const int64_t half = head_dim / 2;
-  const int64_t rows = batch * tokens * heads;
-  if (rows == 0 || half == 0) return;
-  if (rows > INT32_MAX || rows * half > (int64_t{1} << 40))
+  int64_t rows = 0;
+  if (__builtin_mul_overflow(batch, tokens, &rows) || __builtin_mul_overflow(rows, heads, &rows) || rows > INT32_MAX ||
+      rows * half > (int64_t{1} << 40))
     invalid("batch", "batch * tokens * heads * head_dim is too large for one call");
+  if (rows == 0 || half == 0) return;
   check_pointer("src", src, elem);
   check_pointer("dst", dst, elem);
   check_pointer("cos", cos, elem);
@@ -257,10 +237,11 @@ void rope_apply(const void* src, void* dst, const void* cos, const void* sin, in
   const int64_t ds[4] = {dst_strides[0], dst_strides[1], dst_strides[2], 1};
   const int64_t table_sizes[2] = {tokens, head_dim};
   const int64_t table_strides[2] = {cs_token_stride, 1};
-  const Span out = span_of(dst, sizes, ds, 4, elem);
-  if (overlap(out, span_of(src, sizes, ss, 4, elem))) invalid("dst", "overlaps src; pass a separate array");
-  if (overlap(out, span_of(cos, table_sizes, table_strides, 2, elem)) ||
-      overlap(out, span_of(sin, table_sizes, table_strides, 2, elem)))
+  const int64_t out = span_bytes("dst_strides", sizes, ds, 4, elem);
+  const int64_t table = span_bytes("cs_token_stride", table_sizes, table_strides, 2, elem);
+  if (detail::overlaps(dst, out, src, span_bytes("src_strides", sizes, ss, 4, elem)))
+    invalid("dst", "overlaps src; pass a separate array");
+  if (detail::overlaps(dst, out, cos, table) || detail::overlaps(dst, out, sin, table))
     invalid("dst", "overlaps cos or sin; pass a separate array");
   CurrentDeviceScope scoped(device);
   const int64_t total = rows * half;

@@ -14,15 +14,16 @@
 #include "inferctx/errors.hpp"
 #include "inferctx/graph_rng.hpp"
 #include "inferctx/plan.hpp"
+#include "array_checks.hpp"
 #include "dropout_detail.hpp"
 
 namespace inferctx {
 
-namespace {
+using detail::check_pointer;
+using detail::invalid;
+using detail::overlaps;
 
-[[noreturn]] void invalid(const char* argument, const std::string& detail) {
-  throw ConfigError(argument, std::string(argument) + ": " + detail);
-}
+namespace {
 
 std::string p_text(double p) {
   char buf[64];
@@ -55,31 +56,15 @@ float curand_uniform_of(uint32_t r) {
   return static_cast<float>(scaled + 0x1p-33);
 }
 
-uintptr_t address(const void* p) { return reinterpret_cast<uintptr_t>(p); }
-
-bool overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
-  if (a_bytes == 0 || b_bytes == 0) return false;
-  return address(a) < address(b) + static_cast<uint64_t>(b_bytes) &&
-         address(b) < address(a) + static_cast<uint64_t>(a_bytes);
-}
-
-void check_pointer(const char* name, const void* p, int64_t alignment) {
-  if (p == nullptr) invalid(name, "is null with n > 0; pass a device pointer to the array");
-  if (address(p) % static_cast<uint64_t>(alignment) != 0)
-    invalid(name, "address " + std::to_string(address(p)) + " is not aligned to its element size (" +
-                      std::to_string(alignment) + " bytes)");
-}
-
 // The input and output of a call on `bytes` > 0 bytes of elem-byte elements: both aligned, and
-// the output either the input itself (in place) or apart from it. Returns bytes.
-int64_t checked_in_out(const char* in_name, const void* in, const char* out_name, const void* out, int64_t bytes,
-                       int64_t elem) {
+// the output either the input itself (in place) or apart from it.
+void check_in_out(const char* in_name, const void* in, const char* out_name, const void* out, int64_t bytes,
+                  int64_t elem) {
   check_pointer(in_name, in, elem);
   check_pointer(out_name, out, elem);
   if (in != out && overlaps(in, bytes, out, bytes))
     invalid(out_name, std::string("partly overlaps ") + in_name + "; pass " + in_name +
                           " itself (in place) or a separate array");
-  return bytes;
 }
 
 // The mask of p == 0: every element kept. Bits: n / 8 bytes of ones, a partial byte, then zero
@@ -165,7 +150,8 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
   }
   const MaskMode mode = static_cast<MaskMode>(mask_mode);
   if (n == 0) return;
-  const int64_t bytes = checked_in_out("x", x, "y", y, n * elem, elem);
+  const int64_t bytes = n * elem;
+  check_in_out("x", x, "y", y, bytes, elem);
   const int64_t mask_bytes = dropout_mask_bytes(n, mask_mode);
   if (mode != MaskMode::None) {
     check_pointer("mask", mask, mode == MaskMode::Bits ? 4 : 1);
@@ -203,7 +189,8 @@ void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n
   check_p(p);
   const MaskMode mode = static_cast<MaskMode>(mask_mode);
   if (n == 0) return;
-  const int64_t bytes = checked_in_out("grad", grad, "out", out, n * elem, elem);
+  const int64_t bytes = n * elem;
+  check_in_out("grad", grad, "out", out, bytes, elem);
   const int64_t mask_bytes = dropout_mask_bytes(n, mask_mode);
   check_pointer("mask", mask, mode == MaskMode::Bits ? 4 : 1);
   if (overlaps(mask, mask_bytes, out, bytes))

@@ -33,6 +33,7 @@
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/dropout.hpp"
 #include "inferctx/graph_rng.hpp"
+#include "array_checks.hpp"
 #include "dropout_detail.hpp"
 #include "dropout_philox.cuh"
 #include "dtype_dispatch.hpp"
@@ -46,6 +47,7 @@ using detail::GraphPhiloxParams;
 using detail::PhiloxConstants;
 using detail::philox_block;
 using detail::philox_inputs;
+using detail::address;
 
 constexpr int kThreads = 256;          // threads per block
 constexpr int64_t kGroup = 32;         // elements per mask word
@@ -422,8 +424,6 @@ void launch_apply(const void* grad, const void* mask, void* out, MaskMode mode, 
     launch_apply_mode<T, MaskMode::Bytes>(grad, mask, out, P, vector, stream, device, max_blocks);
   }
 }
-
-uintptr_t address(const void* p) { return reinterpret_cast<uintptr_t>(p); }
 
 // Whether the 16-byte path can take a call: both arrays aligned to 16 bytes, and a byte mask to
 // a chunk's V elements (a bit mask is written a 32-bit word per lane: its own alignment does).

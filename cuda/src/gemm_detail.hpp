@@ -51,6 +51,11 @@ std::string str(int64_t v);
 int64_t span_elements(const char* ld_field, const char* stride_field, Stored s, int64_t ld, int64_t batch,
                       int64_t stride, int64_t esize);
 
+// Whether the batch x rows x cols elements of a matrix batch with row stride ld and batch stride
+// `stride` are distinct (sufficient condition: sorted by stride, each stride exceeds the span of the
+// dimensions with smaller strides; a span past 2^63 counts as overlapping what follows it).
+bool matrices_distinct(int64_t batch, int64_t rows, int64_t cols, int64_t ld, int64_t stride);
+
 // TF32 only for Float32, batch strides 0 without a batch: the form cached and run.
 GemmProblem normalized(const GemmProblem& p);
 

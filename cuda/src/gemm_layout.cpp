@@ -102,23 +102,12 @@ void check_operand(const char* argument, const GemmOperand& x) {
   }
 }
 
-// Sorted by stride, each of out's strides must exceed the span of the dimensions with smaller
-// strides (sufficient for its batch x m x n elements to be distinct).
+// out's batch x m x n elements must be distinct (matrices_distinct), or the product would write
+// some of them twice.
 void check_out_is_distinct(const GemmOperand& out, const GemmSpan& c) {
-  if (c.batch <= 1 || c.rows == 0 || c.cols == 0) return;
-  struct Dim {
-    int64_t stride, extent;
-  } dims[3] = {{1, c.cols}, {c.ld, c.rows}, {c.stride, c.batch}};
-  std::sort(dims, dims + 3, [](const Dim& x, const Dim& y) { return x.stride < y.stride; });
-  int64_t span = 0;
-  for (const Dim& d : dims) {
-    if (d.extent == 1) continue;
-    if (d.stride <= span) {
-      refuse("out", "shape " + tuple_text(out.shape) + " with strides " + tuple_text(out.strides) +
-                        ": its matrices overlap, so the product would write some elements twice");
-    }
-    span += d.stride * (d.extent - 1);
-  }
+  if (matrices_distinct(c.batch, c.rows, c.cols, c.ld, c.stride)) return;
+  refuse("out", "shape " + tuple_text(out.shape) + " with strides " + tuple_text(out.strides) +
+                    ": its matrices overlap, so the product would write some elements twice");
 }
 
 // Bytes from a span's first element to just past its last (0 when it is empty).

@@ -49,6 +49,24 @@ int64_t span_elements(const char* ld_field, const char* stride_field, Stored s, 
   return total;
 }
 
+bool matrices_distinct(int64_t batch, int64_t rows, int64_t cols, int64_t ld, int64_t stride) {
+  if (batch <= 1 || rows == 0 || cols == 0) return true;
+  struct Dim {
+    int64_t stride, extent;
+  };
+  Dim dims[3] = {{1, cols}, {ld, rows}, {stride, batch}};
+  std::sort(dims, dims + 3, [](const Dim& x, const Dim& y) { return x.stride < y.stride; });
+  int64_t span = 0;
+  for (const Dim& d : dims) {
+    if (d.extent == 1) continue;
+    if (d.stride <= span) return false;
+    int64_t part = 0;
+    if (__builtin_mul_overflow(d.stride, d.extent - 1, &part) || __builtin_add_overflow(span, part, &span))
+      span = INT64_MAX;
+  }
+  return true;
+}
+
 GemmProblem normalized(const GemmProblem& p) {
   GemmProblem q = p;
   if (q.dtype != static_cast<int>(DType::Float32)) q.tf32 = false;
@@ -83,27 +101,12 @@ void check_leading_dimension(const char* field, int64_t ld, const char* operand,
   }
 }
 
-// Sufficient condition for C's batch x m x n elements to be distinct: sorted by stride, each
-// stride exceeds the span of the dimensions with smaller strides.
 void check_c_does_not_overlap(const GemmProblem& p) {
-  if (p.batch <= 1 || p.m == 0 || p.n == 0) return;
-  struct Dim {
-    int64_t stride, extent;
-  };
-  Dim dims[3] = {{1, p.n}, {p.ldc, p.m}, {p.stride_c, p.batch}};
-  std::sort(dims, dims + 3, [](const Dim& x, const Dim& y) { return x.stride < y.stride; });
-  int64_t span = 0;
-  for (const Dim& d : dims) {
-    if (d.extent == 1) continue;
-    if (d.stride <= span) {
-      const int64_t each = (p.m - 1) * p.ldc + p.n;
-      reject("stride_c", "got " + str(p.stride_c) + " with batch " + str(p.batch) + ", m " + str(p.m) + ", n " +
-                             str(p.n) + ", ldc " + str(p.ldc) +
-                             ": the matrices of C would overlap; use stride_c >= " + str(each) +
-                             " (the elements one matrix spans)");
-    }
-    span += d.stride * (d.extent - 1);
-  }
+  if (matrices_distinct(p.batch, p.m, p.n, p.ldc, p.stride_c)) return;
+  const int64_t each = (p.m - 1) * p.ldc + p.n;
+  reject("stride_c", "got " + str(p.stride_c) + " with batch " + str(p.batch) + ", m " + str(p.m) + ", n " +
+                         str(p.n) + ", ldc " + str(p.ldc) + ": the matrices of C would overlap; use stride_c >= " +
+                         str(each) + " (the elements one matrix spans)");
 }
 
 }  // namespace

@@ -69,11 +69,11 @@ CUmemAllocationProp pinned_device_memory(const DriverApi& api, int ordinal) {
 int resolve_device(int device) { return device < 0 ? current_device() : device; }
 
 // Runs share(0) .. share(n - 1) at once: share(0) on the calling thread, the others in threads of
-// their own (on the calling thread too when no thread can be had); returns when all are done,
-// with `device` current on the calling thread again. Each share binds its own thread to the
-// device first (a new thread has no current context).
+// their own (on the calling thread too when no thread can be had); returns when all are done.
+// Each share binds its own thread to the device first (a new thread has no current context), so
+// the calling thread ends with `device` current, as it began (its callers hold a device scope).
 template <class Share>
-void run_in_threads(int device, size_t n, Share&& share) {
+void run_in_threads(size_t n, Share&& share) {
   std::vector<std::thread> threads;
   threads.reserve(n > 0 ? n - 1 : 0);
   size_t started = 1;
@@ -85,7 +85,6 @@ void run_in_threads(int device, size_t n, Share&& share) {
   if (n > 0) share(size_t{0});
   for (size_t i = started; i < n; ++i) share(i);
   for (std::thread& t : threads) t.join();
-  INFERCTX_CUDA(cudaSetDevice(device), device);
 }
 
 // A virtual-memory driver call, which a test build may fail on purpose (fault::Site::virtual_memory).
@@ -304,7 +303,7 @@ bool VirtualAllocation::map_range_parallel(int64_t from, int64_t to) {
     });
     if (p.status != CUDA_SUCCESS) p.call = "cuMemMap";
   };
-  run_in_threads(device_, parts.size(), [&](size_t i) { run(parts[i]); });
+  run_in_threads(parts.size(), [&](size_t i) { run(parts[i]); });
 
   const size_t first = chunks_.size();
   for (const Part& p : parts) {
@@ -399,7 +398,7 @@ void VirtualAllocation::unmap_parallel() {
   const std::vector<Chunk>& chunks = chunks_;
   // Share t takes chunks t, t + shares, ...; each chunk is unmapped, then its handle released.
   const size_t shares = std::min(chunks_.size(), static_cast<size_t>(kMapThreads));
-  run_in_threads(device_, shares, [&api, &outcomes, &chunks, device, base, shares](size_t t) {
+  run_in_threads(shares, [&api, &outcomes, &chunks, device, base, shares](size_t t) {
     const cudaError_t bound = cudaSetDevice(device);
     for (size_t i = t; i < chunks.size(); i += shares) {
       Outcome& o = outcomes[i];

@@ -56,6 +56,7 @@ def test_gelu_of_nothing_queues_nothing():
     (dict(gate=0), "gate"),
     (dict(up=ADDR + 4096 + 1), "up"),        # misaligned
     (dict(dtype=3), "dtype"),
+    (dict(rows=2**31 - 1, ld_gate=2**40), "ld_gate"),   # a span past 2^63 bytes
 ])
 def test_silu_mul_arguments(kwargs, argument):
     args = dict(gate=ADDR, up=ADDR + 4096, rows=2, cols=8, ld_gate=16, ld_up=16, dtype=F16)
@@ -75,6 +76,8 @@ def test_silu_mul_arguments(kwargs, argument):
     (dict(dst=ADDR + 2 ** 16), "dst"),       # on cos
     (dict(sin=0), "sin"),
     (dict(dtype=-1), "dtype"),
+    (dict(batch=2**31 - 1, tokens=2**31 - 1), "batch"),  # batch * tokens * heads past 2^63
+    (dict(batch=2**28, heads=2, src_strides=(2**40, 64, 64)), "src_strides"),  # a span past 2^63 bytes
 ])
 def test_rope_arguments(kwargs, argument):
     # src [2, 3, 4, 64] contiguous at ADDR (3 KiB of fp16); cos and sin rows elsewhere.
