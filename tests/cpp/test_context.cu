@@ -22,6 +22,7 @@
 #include "inferctx/context.hpp"
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
+#include "small_request.hpp"
 
 using namespace inferctx;
 
@@ -30,21 +31,6 @@ namespace {
 using test_memory::writable;
 
 int kDevice = 0;  // the current device when main() starts
-
-// 2 layers, 4 heads, hidden 256 (head 64), 2 KV heads, batch 1, fp16, exact policy.
-// For max_out_tokens = T (all T tokens fit): activations 10*4*64*T*2 B, one K (or V) tensor
-// 2*T*64*2 B, attention scores 4*T*T*2 B; every term is a multiple of 256 for the T used here.
-PlanRequest small_request(int64_t max_out_tokens, int64_t batch = 1) {
-  PlanRequest r;
-  r.shape = {2, 4, 256, 2};
-  r.batch_size = batch;
-  r.prompt_len = 1;
-  r.max_out_tokens = max_out_tokens;
-  r.min_out_tokens = 1;
-  r.dtype = static_cast<int>(DType::Float16);
-  r.policy = static_cast<int>(Policy::Exact);
-  return r;
-}
 
 int64_t small_bytes(int64_t t) { return 10 * 4 * 64 * t * 2 + 4 * (2 * t * 64 * 2) + 4 * t * t * 2; }
 

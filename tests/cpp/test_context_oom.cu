@@ -19,6 +19,7 @@
 #include "inferctx/context.hpp"
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
+#include "small_request.hpp"
 
 using namespace inferctx;
 
@@ -33,19 +34,6 @@ int64_t free_memory() {
   size_t f = 0, t = 0;
   INFERCTX_CUDA(cudaMemGetInfo(&f, &t), kDevice);
   return static_cast<int64_t>(f);
-}
-
-// 2 layers, 4 heads, hidden 256, 2 KV heads, batch 16, max_out 1024, fp16: 224 MiB
-// (activations 80 MiB, KV cache 16 MiB, attention scores 128 MiB).
-PlanRequest request_224mib() {
-  PlanRequest r;
-  r.shape = {2, 4, 256, 2};
-  r.batch_size = 16;
-  r.prompt_len = 1;
-  r.max_out_tokens = 1024;
-  r.min_out_tokens = 1;
-  r.dtype = static_cast<int>(DType::Float16);
-  return r;
 }
 
 }  // namespace
@@ -68,7 +56,7 @@ TEST_CASE("a cudaMalloc that cannot succeed: CudaError with call, code, device; 
 
 TEST_CASE("retake without room: WorkspaceOOMError, the context stays released, kept contents survive") {
   auto ctx = InferenceContext::instance(kDevice);
-  WorkspacePlan p = ctx->gen_workspace(request_224mib());
+  WorkspacePlan p = ctx->gen_workspace(small_request(1024, 16));
   CHECK_EQ(p.workspace_bytes, int64_t{224} << 20);
   std::shared_ptr<DeviceAllocation> view = ctx->workspace();
   void* address = view->data();
@@ -102,7 +90,7 @@ TEST_CASE("retake without room: WorkspaceOOMError, the context stays released, k
       CHECK_EQ(ctx->views_alive(), int64_t{1});
     }
     // A new plan cannot be had either, and that too leaves the context as it was.
-    CHECK_THROWS(WorkspaceOOMError, ctx->gen_workspace(request_224mib()));
+    CHECK_THROWS(WorkspaceOOMError, ctx->gen_workspace(small_request(1024, 16)));
     CHECK(ctx->released());
     CHECK_EQ(ctx->plan().workspace_bytes, p.workspace_bytes);
     CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
@@ -126,7 +114,7 @@ TEST_CASE("retake without room: WorkspaceOOMError, the context stays released, k
 
 TEST_CASE("a regrow that fits only in place of the old workspace: freed first, or restored") {
   auto ctx = InferenceContext::instance(kDevice);
-  WorkspacePlan old_plan = ctx->gen_workspace(request_224mib());
+  WorkspacePlan old_plan = ctx->gen_workspace(small_request(1024, 16));
   const int64_t old_bytes = old_plan.workspace_bytes;
   CHECK_EQ(ctx->views_alive(), int64_t{0});
 
@@ -174,7 +162,7 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
 
   // Give the memory back and check that the context is usable with a small plan again.
   ctx->release_workspace(false);
-  WorkspacePlan small = ctx->gen_workspace(request_224mib());
+  WorkspacePlan small = ctx->gen_workspace(small_request(1024, 16));
   CHECK_EQ(small.workspace_bytes, old_bytes);
   CHECK(writable(*ctx->workspace(), ctx->stream(), 0x73));
 }
@@ -182,7 +170,7 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
 TEST_CASE("with a view alive: grown in place (virtual memory), or OOM with the previous plan kept") {
   auto ctx = InferenceContext::instance(kDevice);
   ctx->release_workspace(false);
-  WorkspacePlan old_plan = ctx->gen_workspace(request_224mib());
+  WorkspacePlan old_plan = ctx->gen_workspace(small_request(1024, 16));
   auto view = ctx->workspace();
   // Under cudaMalloc, with a view alive the planner no longer counts the old workspace as free,
   // so the request below plans within the memory beside it; the allocation then either fits or

@@ -29,6 +29,7 @@
 #include "inferctx/memory.hpp"
 #include "inferctx/pool.hpp"
 #include "inferctx/stream.hpp"
+#include "small_request.hpp"
 
 using namespace inferctx;
 using fault::Site;
@@ -73,18 +74,6 @@ int64_t free_memory() {
   return static_cast<int64_t>(f);
 }
 
-PlanRequest request(int64_t max_out_tokens) {
-  PlanRequest r;
-  r.shape = {2, 4, 256, 2};
-  r.batch_size = 1;
-  r.prompt_len = 1;
-  r.max_out_tokens = max_out_tokens;
-  r.min_out_tokens = 1;
-  r.dtype = static_cast<int>(DType::Float16);
-  r.policy = static_cast<int>(Policy::Exact);
-  return r;
-}
-
 const Site kAllSites[] = {Site::device_alloc, Site::pinned_alloc, Site::virtual_memory,
                           Site::event,        Site::stream,       Site::cublas};
 
@@ -122,7 +111,7 @@ int create_child(int site, int64_t nth) {
   fault::disarm_all();
   try {
     auto ctx = InferenceContext::instance(kDevice);
-    ctx->gen_workspace(request(16));
+    ctx->gen_workspace(small_request(16));
     ctx->sync_comp();
     INFERCTX_CUDA(cudaStreamSynchronize(ctx->stream()), kDevice);
   } catch (const std::exception& e) {
@@ -250,7 +239,7 @@ TEST_CASE("gen_workspace: a failed first plan leaves none; a failed grow keeps t
     for (int code : {oom_code(site), other_code(site)}) {
       if (ctx->has_plan()) break;
       each_failure("first gen_workspace", site, code, Raised::oom, Raised::cuda, false,
-                   [&] { ctx->gen_workspace(request(16)); },
+                   [&] { ctx->gen_workspace(small_request(16)); },
                    [&](int) {
                      CHECK(!ctx->has_plan());
                      CHECK(free_memory() >= start - kSlack);
@@ -260,18 +249,18 @@ TEST_CASE("gen_workspace: a failed first plan leaves none; a failed grow keeps t
       // second code is tried on the grow below.
     }
   } else {
-    ctx->gen_workspace(request(16));
+    ctx->gen_workspace(small_request(16));
   }
   CHECK(ctx->has_plan());
   for (int code : {oom_code(site), other_code(site)}) {
     ctx->release_workspace(true);
-    ctx->gen_workspace(request(16));  // 16 tokens, then a grow to 1024 (14 MiB)
+    ctx->gen_workspace(small_request(16));  // 16 tokens, then a grow to 1024 (14 MiB)
     const WorkspacePlan before = ctx->plan();
     const void* address = ctx->workspace()->data();
     const int64_t held = ctx->held_bytes();
     const int64_t free_before = free_memory();
     const int failures = each_failure(
-        "grow", site, code, Raised::oom, Raised::cuda, !vmm, [&] { ctx->gen_workspace(request(1024)); },
+        "grow", site, code, Raised::oom, Raised::cuda, !vmm, [&] { ctx->gen_workspace(small_request(1024)); },
         [&](int nth) {
           CHECK_EQ(ctx->plan().max_tokens, before.max_tokens);
           CHECK_EQ(ctx->plan().workspace_bytes, before.workspace_bytes);
@@ -287,7 +276,7 @@ TEST_CASE("gen_workspace: a failed first plan leaves none; a failed grow keeps t
         },
         [&] {  // back to the 16-token plan the grow starts from
           ctx->release_workspace(true);
-          ctx->gen_workspace(request(16));
+          ctx->gen_workspace(small_request(16));
         });
     std::printf("  grow (code %d): %d failure(s) injected\n", code, failures);
     CHECK(failures >= 1);
@@ -295,7 +284,7 @@ TEST_CASE("gen_workspace: a failed first plan leaves none; a failed grow keeps t
     if (vmm) CHECK(ctx->workspace()->data() == address);  // grown in place
   }
   ctx->release_workspace(true);
-  ctx->gen_workspace(request(16));
+  ctx->gen_workspace(small_request(16));
 }
 
 TEST_CASE("retake: a failed retake leaves the context released with its plan; the next retake gives the same addresses") {
@@ -303,7 +292,7 @@ TEST_CASE("retake: a failed retake leaves the context released with its plan; th
   const bool vmm = ctx->addresses_stable();
   const Site site = vmm ? Site::virtual_memory : Site::device_alloc;
   ctx->release_workspace(true);
-  ctx->gen_workspace(request(64));
+  ctx->gen_workspace(small_request(64));
   const WorkspacePlan plan = ctx->plan();
   const void* address = ctx->workspace()->data();
   for (int code : {oom_code(site), other_code(site)}) {
@@ -327,7 +316,7 @@ TEST_CASE("retake: a failed retake leaves the context released with its plan; th
 TEST_CASE("release: a failed unmap still gives the memory back; a failed pinned copy keeps the workspace held") {
   auto ctx = InferenceContext::instance(kDevice);
   ctx->release_workspace(true);
-  ctx->gen_workspace(request(64));
+  ctx->gen_workspace(small_request(64));
   if (ctx->addresses_stable()) {
     const int64_t held = ctx->held_bytes();
     const void* address = ctx->workspace()->data();
@@ -442,7 +431,7 @@ TEST_CASE("cuBLAS: every failed call of a GEMM raises CublasError; the next GEMM
 TEST_CASE("after every failure above, device memory is where it was") {
   auto ctx = InferenceContext::instance(kDevice);
   ctx->release_workspace(true);
-  ctx->gen_workspace(request(16));
+  ctx->gen_workspace(small_request(16));
   DevicePool::of(kDevice)->trim();
   const int64_t now = free_memory();
   // A second round of the same faults costs nothing more than the first left behind.
@@ -451,11 +440,11 @@ TEST_CASE("after every failure above, device memory is where it was") {
                ctx->addresses_stable() ? static_cast<int>(CUDA_ERROR_OUT_OF_MEMORY)
                                        : static_cast<int>(cudaErrorMemoryAllocation));
     std::string message;
-    run([&] { ctx->gen_workspace(request(1024)); }, &message);
+    run([&] { ctx->gen_workspace(small_request(1024)); }, &message);
     fault::disarm_all();
     if (ctx->released()) ctx->retake_workspace();
     ctx->release_workspace(true);
-    ctx->gen_workspace(request(16));
+    ctx->gen_workspace(small_request(16));
   }
   DevicePool::of(kDevice)->trim();
   CHECK(free_memory() >= now - kSlack);

@@ -4,6 +4,7 @@
 #include "check.hpp"
 #include "inferctx/errors.hpp"
 #include "inferctx/plan.hpp"
+#include "small_request.hpp"
 
 using namespace inferctx;
 
@@ -28,14 +29,7 @@ PlanRequest deepspeed_llama7b(int64_t free_bytes) {
 // Per token: activations 10*4*64 = 2560 elements = 5120 B; one K (or V) tensor
 // 2*64 elements = 256 B; attention scores 4*16 = 64 elements = 128 B.
 PlanRequest small_exact() {
-  PlanRequest r;
-  r.shape = {2, 4, 256, 2};
-  r.batch_size = 1;
-  r.prompt_len = 1;
-  r.max_out_tokens = 16;
-  r.min_out_tokens = 1;
-  r.dtype = static_cast<int>(DType::Float16);
-  r.policy = static_cast<int>(Policy::Exact);
+  PlanRequest r = small_request(16);
   r.free_bytes = 80 * kGiB;
   r.total_bytes = 80 * kGiB;
   return r;

@@ -25,6 +25,7 @@
 #include "inferctx/stream.hpp"
 #include "inferctx/vmm.hpp"
 #include "pattern.cuh"
+#include "small_request.hpp"
 
 using namespace inferctx;
 
@@ -58,19 +59,6 @@ bool not_sanitized() {
   if (std::getenv("INFERCTX_SANITIZE") == nullptr) return true;
   std::printf("  note: skipped under INFERCTX_SANITIZE (runs in the plain ctest pass)\n");
   return false;
-}
-
-// 2 layers, 4 heads, hidden 256 (head 64), 2 KV heads, fp16, exact policy; batch 16 and 1024
-// tokens give 224 MiB (activations 80 MiB, KV cache 16 MiB, attention scores 128 MiB).
-PlanRequest request(int64_t max_out_tokens, int64_t batch) {
-  PlanRequest r;
-  r.shape = {2, 4, 256, 2};
-  r.batch_size = batch;
-  r.prompt_len = 1;
-  r.max_out_tokens = max_out_tokens;
-  r.min_out_tokens = 1;
-  r.dtype = static_cast<int>(DType::Float16);
-  return r;
 }
 
 }  // namespace
@@ -224,7 +212,7 @@ TEST_CASE("context: keep_contents gives an 896 MiB workspace back byte for byte;
   auto ctx = InferenceContext::instance(kDevice);
   ctx->release_workspace(false);
   // batch 64, 1024 tokens: activations 320 MiB, KV cache 4 x 16 MiB, attention scores 512 MiB.
-  WorkspacePlan p = ctx->gen_workspace(request(1024, 64));
+  WorkspacePlan p = ctx->gen_workspace(small_request(1024, 64));
   CHECK_EQ(p.workspace_bytes, int64_t{896} * kMiB);
   auto ws = ctx->workspace();
   void* address = ws->data();
@@ -258,7 +246,7 @@ TEST_CASE("context: keep_contents gives an 896 MiB workspace back byte for byte;
 
 TEST_CASE("context: release waits for a kernel pending on another stream, and keeps what it wrote") {
   auto ctx = InferenceContext::instance(kDevice);
-  WorkspacePlan p = ctx->gen_workspace(request(1024, 16));  // 224 MiB
+  WorkspacePlan p = ctx->gen_workspace(small_request(1024, 16));  // 224 MiB
   Stream side = Stream::create(kDevice);
   void* address = nullptr;
   int64_t size = 0;
@@ -282,7 +270,7 @@ TEST_CASE("context: release waits for a kernel pending on another stream, and ke
 
 TEST_CASE("context: a CUDA graph captured before a release replays into the workspace after the retake") {
   auto ctx = InferenceContext::instance(kDevice);
-  ctx->gen_workspace(request(1024, 16));
+  ctx->gen_workspace(small_request(1024, 16));
   if (!ctx->addresses_stable()) {
     std::printf("  (cudaMalloc fallback: a graph must be captured again after a retake)\n");
     ctx->release_workspace(false);
@@ -317,13 +305,13 @@ TEST_CASE("context: a CUDA graph captured before a release replays into the work
 TEST_CASE("context: gen_workspace on a released workspace, with and without views or kept contents") {
   auto ctx = InferenceContext::instance(kDevice);
   ctx->release_workspace(false);
-  WorkspacePlan big = ctx->gen_workspace(request(1024, 16));  // 224 MiB
+  WorkspacePlan big = ctx->gen_workspace(small_request(1024, 16));  // 224 MiB
   if (!ctx->addresses_stable()) {
     // Under cudaMalloc a released workspace has nothing to come back to but kept contents: a new
     // plan gets a new allocation, with the kept bytes copied into it as far as it reaches.
     test_pattern::fill(ctx->workspace()->data(), big.workspace_bytes, 8, ctx->stream());
     ctx->release_workspace(false, true);
-    WorkspacePlan small = ctx->gen_workspace(request(16, 1));
+    WorkspacePlan small = ctx->gen_workspace(small_request(16, 1));
     CHECK(!ctx->released());
     CHECK_EQ(test_pattern::mismatches(ctx->workspace()->data(), small.workspace_bytes, 8, ctx->stream()),
              int64_t{0});
@@ -337,7 +325,7 @@ TEST_CASE("context: gen_workspace on a released workspace, with and without view
   // A view alive and the contents kept: the workspace comes back whole (as a retake would),
   // contents and all, though the new plan is smaller.
   ctx->release_workspace(false, true);
-  WorkspacePlan small = ctx->gen_workspace(request(16, 1));
+  WorkspacePlan small = ctx->gen_workspace(small_request(16, 1));
   CHECK(!ctx->released());
   CHECK(ctx->workspace() == view);
   CHECK_EQ(view->size(), big.workspace_bytes);
@@ -346,7 +334,7 @@ TEST_CASE("context: gen_workspace on a released workspace, with and without view
 
   // A view alive, contents not kept: whole again (the view spans it), at the same address.
   ctx->release_workspace(false);
-  ctx->gen_workspace(request(16, 1));
+  ctx->gen_workspace(small_request(16, 1));
   CHECK_EQ(view->size(), big.workspace_bytes);
   CHECK(view->accessible());
   CHECK(writable(*view, ctx->stream(), 0x91));
@@ -355,7 +343,7 @@ TEST_CASE("context: gen_workspace on a released workspace, with and without view
   view.reset();
   ctx->release_workspace(false);
   const int64_t before = free_memory();
-  WorkspacePlan again = ctx->gen_workspace(request(16, 1));
+  WorkspacePlan again = ctx->gen_workspace(small_request(16, 1));
   CHECK_EQ(ctx->held_bytes(), again.workspace_bytes);
   CHECK(before - free_memory() <= again.workspace_bytes + 2 * kMiB);
   CHECK(ctx->workspace()->data() == address);
