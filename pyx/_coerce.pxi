@@ -8,7 +8,8 @@ cdef bint _bool_arg(object value, str argument) except -1:
         return True
     if value is False:
         return False
-    if type(value).__name__ == "bool_":  # numpy.bool_
+    t = type(value)
+    if t.__module__ == "numpy" and t.__name__ in ("bool", "bool_"):  # numpy.bool_ (numpy.bool in NumPy 2)
         return True if value else False
     raise _errors.ConfigError(f"{argument}: got {_errors._brief(value)}; it must be True or False",
                               argument=argument)

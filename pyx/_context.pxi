@@ -138,14 +138,14 @@ cdef class InferenceContext:
         made.result = plan_to_dict(p)
         return made
 
-    def _adopt_plan(self, plan, _PlanMade made not None, tuple args):
+    def _adopt_plan(self, plan, _PlanMade made not None):
         """Puts `plan` (the WorkspacePlan of `made`) in force for the view accessors.
 
         Returns whether it differs from the plan last logged (arguments, tokens or bytes).
         """
         self._set_layout(made.plan, plan)
         self._plan_args = made.args
-        logged = (args, made.plan.max_tokens, made.plan.workspace_bytes)
+        logged = (made.args, made.plan.max_tokens, made.plan.workspace_bytes)
         if self._logged is None or not _same_arguments(logged, self._logged):
             self._logged = logged
             return True

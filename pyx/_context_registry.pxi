@@ -76,3 +76,15 @@ cdef InferenceContext _create_context(int device):
         ctx._created(None if ctx._c.addresses_stable()
                      else ctx._c.fallback_reason().decode("utf-8", "replace"))
     return <InferenceContext>stored
+
+
+cdef InferenceContext _fast_path_context(object ctx, int device):
+    """The context a compiled torch path runs on: ctx when it is the context of `device`, the
+    existing context of `device` when ctx is None; None otherwise (the general path then takes
+    the call, making the context or saying what is wrong)."""
+    if ctx is None:
+        found = _contexts.get(device)
+        return None if found is None else <InferenceContext>found
+    if isinstance(ctx, InferenceContext) and (<InferenceContext>ctx).device == device:
+        return <InferenceContext>ctx
+    return None

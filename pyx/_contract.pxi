@@ -367,7 +367,3 @@ def _begin(operands, ctx=None, stream=None, first="a"):
     is named `first` in errors."""
     return _begin_call(tuple(operands), ctx, stream, first)
 
-
-def _current_stream(device):
-    """The handle ctx.stream would give for the context of `device` now."""
-    return _ctx_stream(_context_of(device))

@@ -10,7 +10,7 @@ from inferctx._decl_gemm cimport (
     GemmCacheEntry, GemmLayout, GemmOperand, GemmProblem, GemmTuneOptions, GemmTuneResult,
     check_gemm_addresses, clear_gemm_cache, export_gemm_cache, gemm, gemm_layout,
     import_gemm_cache, normalized_gemm_problem, packed_gemm_problem, tune_gemm)
-from inferctx._decl_gpu cimport CppInferenceContext, cudaStreamLegacy, cudaStream_t
+from inferctx._decl_gpu cimport CppInferenceContext, cudaStream_t
 
 
 cdef class _GemmLayout:
@@ -23,6 +23,15 @@ cdef class _GemmLayout:
 # b and out; None for out's when there is no out). Bounded; cleared when full.
 cdef dict _gemm_layouts = {}
 cdef Py_ssize_t _GEMM_LAYOUT_LIMIT = 4096
+
+
+cdef inline tuple _layout_key(int ndim, bint trans_a, bint trans_b, object dt_a, object shape_a,
+                              object strides_a, object dt_b, object shape_b, object strides_b,
+                              object dt_c, object shape_c, object strides_c):
+    """The key of _gemm_layouts: one construction for the general path and the torch fast path,
+    whose lookups must agree (torch.Size and stride() tuples equal the CudaArray's tuples)."""
+    return (ndim, trans_a, trans_b, dt_a, shape_a, strides_a, dt_b, shape_b, strides_b, dt_c,
+            shape_c, strides_c)
 
 
 cdef GemmOperand _gemm_operand(int dtype, str dtype_name, tuple shape, tuple strides) except *:
@@ -48,12 +57,10 @@ cdef _GemmLayout _gemm_layout_of(int ndim, bint trans_a, bint trans_b, CudaArray
                                  CudaArray c):
     """The layout of a call on imported operands (c None for a new result), worked out once per
     signature; ConfigError naming a, b or out for what cannot be run."""
-    if c is None:
-        key = (ndim, trans_a, trans_b, a._dtype, a.shape, a.strides, b._dtype, b.shape, b.strides,
-               None, None, None)
-    else:
-        key = (ndim, trans_a, trans_b, a._dtype, a.shape, a.strides, b._dtype, b.shape, b.strides,
-               c._dtype, c.shape, c.strides)
+    key = (_layout_key(ndim, trans_a, trans_b, a._dtype, a.shape, a.strides, b._dtype, b.shape,
+                       b.strides, None, None, None) if c is None else
+           _layout_key(ndim, trans_a, trans_b, a._dtype, a.shape, a.strides, b._dtype, b.shape,
+                       b.strides, c._dtype, c.shape, c.strides))
     found = _gemm_layouts.get(key)
     if found is not None:
         return <_GemmLayout>found
@@ -122,21 +129,19 @@ def _torch_gemm(int ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
     cdef InferenceContext context = _fast_path_context(ctx, device)
     if context is None:
         return NotImplemented
-    if out is None:
-        key = (ndim, trans_a, trans_b, _torch_to_dt.get(a.dtype), a.shape, a.stride(),
-               _torch_to_dt.get(b.dtype), b.shape, b.stride(), None, None, None)
-    else:
-        key = (ndim, trans_a, trans_b, _torch_to_dt.get(a.dtype), a.shape, a.stride(),
-               _torch_to_dt.get(b.dtype), b.shape, b.stride(), _torch_to_dt.get(out.dtype),
-               out.shape, out.stride())
+    cdef object dt_a = _torch_to_dt.get(a.dtype)
+    cdef object dt_b = _torch_to_dt.get(b.dtype)
+    key = (_layout_key(ndim, trans_a, trans_b, dt_a, a.shape, a.stride(), dt_b, b.shape, b.stride(),
+                       None, None, None) if out is None else
+           _layout_key(ndim, trans_a, trans_b, dt_a, a.shape, a.stride(), dt_b, b.shape, b.stride(),
+                       _torch_to_dt.get(out.dtype), out.shape, out.stride()))
     found = _gemm_layouts.get(key)
     if found is None:
         return NotImplemented
     cdef _GemmLayout layout = <_GemmLayout>found
     if out is None:
         out = a.new_empty(layout.out_shape)
-    cdef object raw = _torch_raw_stream(device)
-    cdef uintptr_t stream = <uintptr_t>cudaStreamLegacy if raw == 0 else <uintptr_t>raw
+    cdef uintptr_t stream = _package_stream(PKG_TORCH, device)
     _run_gemm(context, stream, layout, a.data_ptr(), b.data_ptr(), out.data_ptr(), alpha, beta, tf32)
     return out
 

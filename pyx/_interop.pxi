@@ -220,12 +220,24 @@ cdef int _bad_interface(object obj, str argument, str what) except -1:
 
 
 cdef tuple _interface_ints(object obj, str argument, str key, object value, bint signed):
-    """A shape (non-negative) or strides (signed) entry of the interface as a tuple of ints."""
-    if not isinstance(value, (tuple, list)) or any(
-            PyBool_Check(n) or not isinstance(n, int) or (not signed and n < 0) for n in value):
+    """A shape (non-negative) or strides (signed) entry of the interface as a tuple of ints
+    (Python or NumPy integers within int64)."""
+    cdef list out = []
+    cdef bint bad = not isinstance(value, (tuple, list))
+    if not bad:
+        for n in value:
+            try:
+                i = None if PyBool_Check(n) else _operator.index(n)
+            except TypeError:
+                i = None
+            if i is None or not -(1 << 63) <= i < (1 << 63) or (not signed and i < 0):
+                bad = True
+                break
+            out.append(i)
+    if bad:
         _bad_interface(obj, argument, f"{key!r} is {value!r}; it must be a tuple of "
-                                      f"{'ints' if signed else 'non-negative ints'}")
-    return tuple([int(n) for n in value])
+                                      f"{'ints' if signed else 'non-negative ints'} within int64")
+    return tuple(out)
 
 
 cdef int _pointer_device(uintptr_t ptr, object obj, str argument) except -1:

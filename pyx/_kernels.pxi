@@ -3,7 +3,7 @@
 from libc.math cimport isnan
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 
-from inferctx._decl_gpu cimport cudaStreamLegacy, cudaStream_t
+from inferctx._decl_gpu cimport cudaStream_t
 from inferctx._decl_kernels cimport dropout_apply_mask, dropout_mask_elements
 
 # inferctx::MaskMode codes. (inferctx::DType codes are the dtype indices DT_FLOAT32, DT_FLOAT16
@@ -189,18 +189,6 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     return y, m
 
 
-cdef InferenceContext _fast_path_context(object ctx, int device):
-    """The context a compiled torch path runs on: ctx when it is the context of `device`, the
-    existing context of `device` when ctx is None; None otherwise (the general path then takes
-    the call, making the context or saying what is wrong)."""
-    if ctx is None:
-        found = _contexts.get(device)
-        return None if found is None else <InferenceContext>found
-    if isinstance(ctx, InferenceContext) and (<InferenceContext>ctx).device == device:
-        return <InferenceContext>ctx
-    return None
-
-
 cdef object _torch_dropout(object x, object p, object ctx):
     """dropout(x, p) of a torch tensor with the default arguments, in compiled code: what the
     general path does for it (the same checks, results and kernel) without its generality.
@@ -228,8 +216,7 @@ cdef object _torch_dropout(object x, object p, object ctx):
     if n == 0 or not x.is_contiguous():
         return None
     cdef double prob = _probability_arg(p)
-    raw = _torch_raw_stream(device)
-    cdef uintptr_t stream = <uintptr_t>cudaStreamLegacy if raw == 0 else <uintptr_t>raw
+    cdef uintptr_t stream = _package_stream(PKG_TORCH, device)
     y = _torch_empty_like(x)
     m = x.new_empty(dropout_mask_elements(n, 2), dtype=_dt_to_torch[DT_INT32])
     cdef uintptr_t xp = x.data_ptr()

@@ -179,7 +179,7 @@ def _human_bytes(int64_t n):
 
 
 # The planner's dtypes (inferctx::DType): their codes and sizes, read from the C++ enum and
-# dtype_size. python/inferctx/dtypes.py and the DeviceView dtype table take them from here.
+# dtype_size. python/inferctx/dtypes.py takes them from here.
 DTYPE_FLOAT32 = <int>DType.Float32
 DTYPE_FLOAT16 = <int>DType.Float16
 DTYPE_BFLOAT16 = <int>DType.BFloat16

@@ -68,7 +68,7 @@ class InferenceContext(_core.InferenceContext):
         plan = WorkspacePlan._from_result(
             made.request, made.result,
             {"memory": f"cuda:{self.device}, read now by gen_workspace", "weights": "none"})
-        if self._adopt_plan(plan, made, args):
+        if self._adopt_plan(plan, made):
             _log_plan(plan, self.device)
         return plan
 

@@ -59,7 +59,7 @@ from . import _core
 from ._gemm_cache import (_BACKENDS, _FORMAT, _VERSION, _entry_from_json, _entry_to_json,
                           _identity, _read_cache_file)
 from ._gemm_tune import _Progress, _problem_key, _tune_shapes
-from .dtypes import NAMES, dtype_code
+from .dtypes import BFLOAT16, FLOAT16, FLOAT32, NAMES, dtype_code
 from .errors import ConfigError
 
 __all__ = [
@@ -74,7 +74,7 @@ __all__ = [
 
 _log = logging.getLogger("inferctx")
 
-_SHORT = {0: "fp32", 1: "fp16", 2: "bf16"}
+_SHORT = {FLOAT32: "fp32", FLOAT16: "fp16", BFLOAT16: "bf16"}
 # DLPack device types (dlpack.h)
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 _DL_PLACES = {1: "host", 3: "pinned host", 2: "CUDA device", 13: "CUDA managed"}
@@ -215,7 +215,7 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
             bar.start(label)
             record = {"shape": (batch, m, n, k), "dtype": NAMES[code],
                       "trans_a": flags["trans_a"], "trans_b": flags["trans_b"],
-                      "tf32": bool(flags["tf32"] and code == 0)}
+                      "tf32": bool(p["tf32"])}  # the packed problem keeps TF32 for float32 only
             key = _problem_key(p)
             if key in known:
                 entry = known[key]

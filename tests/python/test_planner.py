@@ -420,3 +420,18 @@ def test_human_bytes_is_the_one_formatter(n, text):
 
     # the plan table, the CLI and the C++ messages all print sizes through the C++ formatter
     assert human_bytes(n) == text == _plan._human_bytes(n)
+
+
+def test_numpy_booleans_are_flags_and_other_values_are_not():
+    np = pytest.importorskip("numpy")
+    from inferctx import _plan
+
+    assert _plan._as_bool(np.True_, "external_cache") is True
+    assert _plan._as_bool(np.bool_(False), "external_cache") is False
+    for bad in (1, 0, None, "True", np.int8(1)):
+        with pytest.raises(inferctx.ConfigError) as e:
+            _plan._as_bool(bad, "external_cache")
+        assert e.value.argument == "external_cache"
+    plan = inferctx.plan_workspace("llama-2-7b", batch_size=1, prompt_len=8, max_out_tokens=64,
+                                   gpu="h100-80gb", external_cache=np.True_)
+    assert plan.external_cache is True

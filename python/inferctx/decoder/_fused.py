@@ -19,19 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from .. import _core
+from ..dtypes import BFLOAT16, FLOAT16, FLOAT32
 from . import _layers as L
 
 __all__ = ["FusedOps", "fused_ops"]
 
-_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_CODES = {torch.float32: FLOAT32, torch.float16: FLOAT16, torch.bfloat16: BFLOAT16}  # inferctx::DType
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _CUBE_MODES = (0, 1, 2)  # decoder_ops.hpp CubeRounding, most likely first
 
 _verified: dict[tuple[int, torch.dtype], "FusedOps"] = {}
-
-
-def _stream(device: int) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 class FusedOps:
@@ -57,7 +54,7 @@ class FusedOps:
         if self.cube is None or x.dtype != self.dtype or not x.is_contiguous():
             L.gelu_new_(x, scratch)
             return
-        _core._fused_gelu_new(x.data_ptr(), x.numel(), self.code, self.cube, _stream(self.device), self.device)
+        _core._fused_gelu_new(x.data_ptr(), x.numel(), self.code, self.cube, None, self.device)
 
     def silu_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> None:
         """gate <- silu(gate) * up (F.silu in place, then mul_), gate and up [rows, cols] with unit
@@ -69,7 +66,7 @@ class FusedOps:
             return
         rows, cols = gate.shape
         _core._fused_silu_mul(gate.data_ptr(), up.data_ptr(), rows, cols, gate.stride(0), up.stride(0), self.code,
-                              _stream(self.device), self.device)
+                              None, self.device)
 
     def rope(self, src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor, a: torch.Tensor,
              b: torch.Tensor) -> None:
@@ -81,11 +78,17 @@ class FusedOps:
                 and cos.shape[0] == 1 and cos.shape[2] == 1 and cos.shape[1] in (1, src.shape[1])):
             L.rope(src, cos, sin, dst, a, b)
             return
-        batch, tokens, heads, head_dim = src.shape
-        cs = cos.stride(1) if cos.shape[1] > 1 else 0
-        _core._fused_rope(src.data_ptr(), dst.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch, tokens, heads,
-                          head_dim, tuple(src.stride()[:3]), tuple(dst.stride()[:3]), cs, self.code,
-                          _stream(self.device), self.device)
+        _rope_kernel(src, cos, sin, dst, self.code, self.device)
+
+
+def _rope_kernel(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor, code: int,
+                 device: int) -> None:
+    """The fused RoPE of src [batch, tokens, heads, head_dim] into dst with cos / sin views
+    [1, tokens or 1, 1, head_dim] of contiguous rows (one row: broadcast)."""
+    batch, tokens, heads, head_dim = src.shape
+    cs = cos.stride(1) if cos.shape[1] > 1 else 0
+    _core._fused_rope(src.data_ptr(), dst.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch, tokens, heads,
+                      head_dim, tuple(src.stride()[:3]), tuple(dst.stride()[:3]), cs, code, None, device)
 
 
 def _bits_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -112,7 +115,7 @@ def _check_gelu(x: torch.Tensor, device: int) -> int | None:
     L.gelu_new_(want, torch.empty_like(want))
     for cube in _CUBE_MODES:
         got = x.clone()
-        _core._fused_gelu_new(got.data_ptr(), got.numel(), _CODES[x.dtype], cube, _stream(device), device)
+        _core._fused_gelu_new(got.data_ptr(), got.numel(), _CODES[x.dtype], cube, None, device)
         if _bits_equal(got, want):
             return cube
     return None
@@ -129,7 +132,7 @@ def _check_silu_mul(x: torch.Tensor, device: int) -> bool:
     F.silu(want[:, :cols], inplace=True)
     want[:, :cols].mul_(want[:, cols:])
     _core._fused_silu_mul(m.data_ptr(), m[:, cols:].data_ptr(), rows, cols, 2 * cols, 2 * cols, _CODES[x.dtype],
-                          _stream(device), device)
+                          None, device)
     return _bits_equal(m, want)
 
 
@@ -150,10 +153,7 @@ def _check_rope(dtype: torch.dtype, device: int) -> bool:
         L.rope(src, cos, sin, want, torch.empty_like(src, memory_format=torch.contiguous_format),
                torch.empty_like(src, memory_format=torch.contiguous_format))
         got = torch.empty(batch, heads, n, hd, dtype=dtype, device=dev).transpose(1, 2)
-        cs = cos.stride(1) if n > 1 else 0
-        _core._fused_rope(src.data_ptr(), got.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch, n, heads, hd,
-                          tuple(src.stride()[:3]), tuple(got.stride()[:3]), cs, _CODES[dtype], _stream(device),
-                          device)
+        _rope_kernel(src, cos, sin, got, _CODES[dtype], device)
         ok = ok and _bits_equal(got, want)
     return ok
 
