@@ -276,3 +276,25 @@ def test_on_the_cpu_the_decoder_runs_torchs_sequences():
     L.gelu_new_(want, torch.empty_like(want))
     ops.gelu_new_(x, torch.empty_like(x))  # no GPU kernel is reached: torch's sequence
     assert torch.equal(x, want)
+
+
+@pytest.mark.gpu
+def test_generate_with_the_prompt_written_late_on_the_callers_stream(gpu):
+    """As a user calls it: the prompt written on the current stream behind a long sleep kernel,
+    generate() with its defaults (fused kernels, CUDA graph), the tokens read on the current
+    stream right after, with no synchronize: the same tokens as an unhurried run."""
+    torch, _ = gpu
+    pytest.importorskip("transformers")
+    from inferctx.decoder import ReferenceDecoder, build_hf_model, model_spec
+
+    spec = model_spec("gpt2-tiny", num_layers=2, vocab_size=1024)
+    dec = ReferenceDecoder(build_hf_model(spec, seed=3), batch_size=2, prompt_len=8, max_new_tokens=6)
+    prompt = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4)).cuda()
+    want = dec.generate(prompt).tokens.cpu()
+    torch.cuda.synchronize()
+    for trial in range(3):
+        late = torch.empty_like(prompt)
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the prompt exists
+        late.copy_(prompt)
+        got = dec.generate(late).tokens.cpu()  # .cpu() reads on the current stream
+        assert torch.equal(got, want), trial
