@@ -218,13 +218,27 @@ cdef object _torch_dropout(object x, object p, object ctx):
     cdef double prob = _probability_arg(p)
     cdef uintptr_t stream = _package_stream(PKG_TORCH, device)
     y = _torch_empty_like(x)
-    m = x.new_empty(dropout_mask_elements(n, 2), dtype=_dt_to_torch[DT_INT32])
+    m = _torch_mask_words(x, device, dropout_mask_elements(n, 2))
     cdef uintptr_t xp = x.data_ptr()
     cdef uintptr_t yp = y.data_ptr()
     cdef uintptr_t mp = m.data_ptr()
     _dropout_launch(context, <const void*>xp, <void*>yp, <void*>mp, n, <int>dt, prob, 2, False, 0, 0,
                     stream, device)
     return y, m
+
+
+cdef dict _torch_word_templates = {}  # device -> an empty int32 tensor there
+
+
+cdef object _torch_mask_words(object x, int device, int64_t words):
+    """A new int32 torch tensor of `words` elements on x's device (cuda:`device`), from torch's
+    caching allocator. new_empty of an int32 tensor with one int argument is the cheapest
+    allocation torch's Python binding offers (no dtype keyword to parse)."""
+    template = _torch_word_templates.get(device)
+    if template is None:
+        template = x.new_empty(0, dtype=_dt_to_torch[DT_INT32])
+        _torch_word_templates[device] = template
+    return template.new_empty(words)
 
 
 def apply_mask(grad, mask, p, *, ctx=None, out=None, stream=None):
