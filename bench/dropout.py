@@ -39,6 +39,8 @@ import statistics
 import sys
 import time
 
+from _host_timing import host_us_interleaved  # bench/, the script's folder
+
 MIB = 1 << 20
 TARGET_COPY_FRACTION = 0.90
 TARGET_VS_TORCH = {("bits", "float16"): 0.85, ("bits", "bfloat16"): 0.85, ("bits", "float32"): 0.92,
@@ -111,31 +113,16 @@ class Timer:
 
 def host_times(torch, F, inferctx, p, calls=200, reps=21):
     """Host time per call of the plain dropout and of F.dropout on 4 KiB inputs, issued while the
-    GPU is kept busy (so that the loop measures issuing, not completion); medians."""
+    GPU is kept busy (so that the loop measures issuing, not completion), the two timed in turns
+    (bench/_host_timing.py); medians."""
     out = []
-    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000)
-    cycles = int(khz * 1e3 * calls * 80e-6)
     for dname, dt in (("float16", torch.float16), ("float32", torch.float32)):
         x = torch.randn(4096 // torch.tensor([], dtype=dt).element_size(), device="cuda").to(dt)
-        figures = {}
-        for name, fn in (("torch", lambda: F.dropout(x, p, training=True)),
-                         ("ours", lambda: inferctx.dropout(x, p)),
-                         ("torch again", lambda: F.dropout(x, p, training=True))):
-            for _ in range(20):
-                fn()
-            samples = []
-            for _ in range(reps):
-                torch.cuda.synchronize()
-                torch.cuda._sleep(cycles)
-                kept = []
-                t0 = time.perf_counter_ns()
-                for _ in range(calls):
-                    kept.append(fn())
-                samples.append((time.perf_counter_ns() - t0) / calls / 1e3)
-                del kept
-            figures[name] = statistics.median(samples)
-        torch.cuda.synchronize()
-        theirs = min(figures["torch"], figures["torch again"])
+        figures = host_us_interleaved(torch, {
+            "torch": lambda: F.dropout(x, p, training=True),
+            "ours": lambda: inferctx.dropout(x, p),
+        }, calls=calls, reps=reps, keep=True)
+        theirs = figures["torch"]
         out.append(dict(variant="host plain", dtype=dname, input_bytes=4096, ours_us=figures["ours"],
                         torch_us=theirs, ratio=figures["ours"] / theirs,
                         target_met=figures["ours"] <= theirs))

@@ -1,0 +1,40 @@
+"""Host time per call of several callables, measured in turns so that a drift of the host's speed
+(clocks, other tenants) falls on all of them alike."""
+
+import statistics
+import time
+
+
+def host_us_interleaved(torch, fns, calls=200, reps=21, keep=False, slack_us=80.0):
+    """Median host time per call (µs) of each callable in `fns` (a dict name -> fn).
+
+    Each of `reps` rounds runs `calls` calls of every callable, in an order that rotates from
+    round to round; before each loop a sleep kernel keeps the GPU busy for longer than the loop
+    takes, so the loop measures issuing, not completion. With `keep` the results stay alive until
+    the loop ends (as a caller who keeps them); else each is dropped at once.
+    """
+    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000)  # SM clock, kHz
+    cycles = int(khz * 1e3 * calls * slack_us * 1e-6)
+    names = list(fns)
+    for name in names:  # warm-up: first calls, allocator blocks, layout caches
+        for _ in range(20):
+            fns[name]()
+    samples = {name: [] for name in names}
+    for r in range(reps):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            fn = fns[name]
+            torch.cuda.synchronize()
+            torch.cuda._sleep(cycles)
+            kept = []
+            t0 = time.perf_counter_ns()
+            if keep:
+                for _ in range(calls):
+                    kept.append(fn())
+            else:
+                for _ in range(calls):
+                    fn()
+            samples[name].append((time.perf_counter_ns() - t0) / calls / 1e3)
+            del kept
+    torch.cuda.synchronize()
+    return {name: statistics.median(s) for name, s in samples.items()}
