@@ -246,7 +246,8 @@ def apply_mask(grad, mask, p, *, ctx=None, out=None, stream=None):
 
     ``mask`` is what ``dropout`` returned: 32-bit words (bits) or uint8 (bytes, any nonzero
     byte keeps). Same ``ctx``, ``out`` and ``stream`` rules, and the same call contract, as
-    ``dropout``; returns the result (in grad's package, or ``out``).
+    ``dropout``; returns the result (in grad's package, or ``out``). p = 1 gives zeros (+0)
+    whatever the mask keeps.
     """
     cdef double prob = _probability_arg(p)
     cdef _Call call = _begin_call((grad, mask, out), ctx, stream, "grad")

@@ -3,8 +3,10 @@
 // Work is cut into tiles of 1024 elements = 32 mask words. In a tile, lane l of a warp owns the
 // 16-byte chunks l, l + 32, l + 64, ... so every load and store instruction of the warp touches
 // one contiguous 512-byte span. A mask word covers 32 / V consecutive chunks (V elements per
-// chunk), i.e. as many consecutive lanes; their bits are OR-ed together with shuffles and handed
-// to lane w for word w, so the warp writes its 32 words as one 128-byte store.
+// chunk), whose keep bits come from as many consecutive lanes: each lane puts its chunks' bits in
+// a row of shared memory, lane w reads and packs those of word w, and the warp writes its 32
+// words as one 128-byte store. (OR-ing them together with shuffles took 32 shuffles per lane and
+// tile for fp32 and spilled registers; the row takes CH one-byte stores and one load.)
 //
 // Each warp takes one unit of 4 KiB of input (two tiles of a 16-bit type, one of fp32), issues
 // all of its loads before any arithmetic, then computes and stores; the grid has one warp per
@@ -202,16 +204,23 @@ __device__ __forceinline__ void forward_tile(const Keys& keys, const Params& P, 
   }
 
   if constexpr (M == MaskMode::Bits) {
-    // Per j, the CH lanes that share a word OR their bits into the first of them; lane w then
-    // takes word w of the tile, which instruction j = w / V produced in lane (w % V) * CH.
-    uint32_t word = 0;
+    // The keep bits of chunk c of the tile go to byte c of the warp's row in shared memory. Word
+    // w covers chunks w * CH ... w * CH + CH - 1, i.e. CH consecutive bytes: lane w reads them in
+    // one load and packs them (a byte per chunk for 16-bit types, a nibble per chunk for fp32).
+    __shared__ __align__(16) uint8_t rows[kThreads / 32][kTile / V];
+    uint8_t* row = rows[threadIdx.x / 32];
+    __syncwarp();  // the warp's reads of its previous tile's row are done
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {
-      uint32_t v = bits[j];
-#pragma unroll
-      for (int s = 1; s < CH; s *= 2) v |= __shfl_down_sync(kFullWarp, v, s) << (s * V);
-      const uint32_t w = __shfl_sync(kFullWarp, v, (lane % V) * CH);
-      if (lane / V == j) word = w;
+    for (int j = 0; j < CH; ++j) row[j * 32 + lane] = static_cast<uint8_t>(bits[j]);
+    __syncwarp();
+    uint32_t word;
+    if constexpr (V == 8) {
+      word = reinterpret_cast<const uint32_t*>(row)[lane];
+    } else {
+      // Bytes b0..b3 of v.x hold nibbles: v.x | v.x >> 4 has b0 | b1 << 4 in byte 0 and
+      // b2 | b3 << 4 in byte 2; the same for v.y, whose two bytes go on top.
+      const uint2 v = reinterpret_cast<const uint2*>(row)[lane];
+      word = __byte_perm(v.x | (v.x >> 4), v.y | (v.y >> 4), 0x6420);
     }
     static_cast<uint32_t*>(mask)[tile * 32 + lane] = word;
   }

@@ -608,8 +608,11 @@ def _keep_of(torch, mask, n):
 
 
 def _check_dropout_values(torch, x0, y, keep, p):
-    """y equals x * float32(1 / (1 - p)) where kept and +0 elsewhere, bit for bit."""
+    """y equals x * float32(1 / (1 - p)) where kept and +0 elsewhere, bit for bit; p = 1 gives +0
+    everywhere (the documented "1 gives zeros"), whatever a mask given to apply_mask keeps."""
     x32 = x0.float().cpu().numpy().reshape(-1)
+    if float(p) == 1.0:
+        keep = np.zeros(x32.shape, dtype=bool)
     want = torch.from_numpy(ref.dropout_float32(x32, keep, float(p))).to(x0.dtype)
     got = to_torch(torch, y).reshape(-1).cpu()
     bits = torch.int32 if x0.dtype == torch.float32 else torch.int16
@@ -1401,9 +1404,11 @@ def test_gpu_pinned_buffers(gpu, nbytes, view_bytes, stream, direction, pinned_k
     host[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
     view = inferctx._core._empty(context.device, (view_bytes,), "uint8")
     target = {"pinned": buf, "bytearray": bytearray(nbytes), "numpy": host}[pinned_kind]
+    # A stream handle is an int and never a bool (True == 1, but stream=True is refused).
+    stream_ok = stream is None or (type(stream) is int and stream == 1)
     if direction in ("from", "both"):
         out = attempt(lambda: view.copy_from_host(target, stream=stream), KERNEL_ERRORS)
-        ok = pinned_kind == "pinned" and nbytes >= view_bytes and stream in (None, 1)
+        ok = pinned_kind == "pinned" and nbytes >= view_bytes and stream_ok
         assert isinstance(out, Raised) != ok, out
         if ok:
             buf.synchronize()
@@ -1414,7 +1419,7 @@ def test_gpu_pinned_buffers(gpu, nbytes, view_bytes, stream, direction, pinned_k
         torch.from_dlpack(view).fill_(7) if view_bytes else None
         torch.cuda.synchronize()
         out = attempt(lambda: view.copy_to_host(target, stream=stream), KERNEL_ERRORS)
-        ok = pinned_kind == "pinned" and nbytes >= view_bytes and stream in (None, 1)
+        ok = pinned_kind == "pinned" and nbytes >= view_bytes and stream_ok
         assert isinstance(out, Raised) != ok, out
         if ok:
             buf.synchronize()
