@@ -1,14 +1,14 @@
 # Part of _core.pyx: GEMM on the context's cuBLAS handle. The layout of a call's operands is
 # worked out by inferctx::gemm_layout (cuda/src/gemm_layout.cpp) once per call signature and
 # kept here, for the general path (_gemm, on operands the call contract imported) and for the
-# torch fast path (_torch_gemm); then the tuner and algorithm-cache glue of python/inferctx/gemm.py.
+# torch fast path (_torch_product) behind the public gemm and bmm; then the tuner and algorithm-cache glue of python/inferctx/gemm.py.
 
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libcpp.vector cimport vector as cpp_vector
 
 from inferctx._decl_gemm cimport (
     GemmCacheEntry, GemmLayout, GemmOperand, GemmProblem, GemmTuneOptions, GemmTuneResult,
-    check_gemm_addresses, clear_gemm_cache, export_gemm_cache, gemm, gemm_layout,
+    check_gemm_addresses, clear_gemm_cache, export_gemm_cache, gemm as cpp_gemm, gemm_layout,
     import_gemm_cache, normalized_gemm_problem, packed_gemm_problem, tune_gemm)
 from inferctx._decl_gpu cimport CppInferenceContext, cudaStream_t
 
@@ -83,7 +83,7 @@ cdef int _run_gemm(InferenceContext ctx, uintptr_t stream, _GemmLayout layout, u
     cdef CppInferenceContext* cx = ctx._c
     cdef GemmLayout* lp = &layout.c
     with nogil:
-        gemm(cx.cublas(), <cudaStream_t>stream, lp[0], <const void*>a, <const void*>b, <void*>c,
+        cpp_gemm(cx.cublas(), <cudaStream_t>stream, lp[0], <const void*>a, <const void*>b, <void*>c,
              alpha, beta, tf32)
     return 0
 
@@ -104,8 +104,83 @@ def _gemm(_Call call, int ndim, CudaArray a, CudaArray b, CudaArray c, object ou
     return out
 
 
+cdef object _gemm_general = None  # gemm.py's _product: every call the fast path does not take
+
+
+def _set_gemm_general(general):
+    """Sets the function gemm and bmm hand a call to when their torch fast path does not take it:
+    ``general(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, stream)``."""
+    global _gemm_general
+    _gemm_general = general
+
+
+def gemm(a, b, *, out=None, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, ctx=None,
+         tf32=False, stream=None):
+    """``alpha * op(a) @ op(b) + beta * out`` for 2-D CUDA arrays, as NumPy / PyTorch define it.
+
+    Parameters
+    ----------
+    a, b
+        2-D CUDA arrays of the same dtype (float32, float16 or bfloat16) on one device:
+        ``a`` is (m, k), or (k, m) with ``trans_a``; ``b`` is (k, n), or (n, k) with ``trans_b``.
+        Either may be a transposed view (unit stride along its first dimension).
+    out
+        (m, n) array of the same dtype to write into (row- or column-major); a new
+        DeviceView when None.
+    trans_a, trans_b
+        Use the transpose of ``a`` / ``b``.
+    alpha, beta
+        Scale factors (fp32). ``beta`` other than 0 needs ``out``, whose values it scales.
+    ctx
+        The InferenceContext whose cuBLAS handle runs the product; by default the one of the
+        operands' device.
+    tf32
+        float32 only: allow TF32 tensor cores (relative error near 3e-4 instead of near 1e-6).
+    stream
+        Run on this stream (of the operands' device) instead of the caller's current stream;
+        the caller's current stream still waits for the result.
+
+    Returns
+    -------
+    ``out``, or a new array in the operands' package: a torch tensor for torch operands, a CuPy
+    array for CuPy ones, an inferctx.DeviceView otherwise. Accumulation is fp32 for every
+    dtype. The product runs on the caller's current stream (the call contract: README,
+    inferctx.gemm's module docstring) and is complete before any later work there; m, n or k may be 0 (k = 0 gives
+    ``beta * out``, zeros for a new result). Untuned, it makes the cuBLAS call torch.matmul
+    makes (``cublasGemmEx``), so it gives torch's bits at torch's speed; ``autotune_gemm``
+    may find a faster cuBLASLt algorithm.
+    """
+    if stream is None:  # torch tensors of a problem seen before: compiled, in one call
+        done = _torch_product(2, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
+        if done is not NotImplemented:
+            return done
+    return _gemm_general("gemm", 2, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, stream)
+
+
+def bmm(a, b, *, out=None, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, ctx=None,
+        tf32=False, stream=None):
+    """Batched ``gemm`` of 3-D CUDA arrays: ``out[i] = alpha * op(a[i]) @ op(b[i]) + beta * out[i]``.
+
+    ``a`` is (batch, m, k) (or (batch, k, m) with ``trans_a``), ``b`` is (batch, k, n) (or
+    (batch, n, k) with ``trans_b``); a batch size of 1 in one operand is broadcast over the
+    other's. Any batch stride works, so a (batch, m, n) view of an (m, batch, n) array does
+    too. Returns ``out`` or a new (batch, m, n) array in the operands' package. Other arguments,
+    and the call contract, as in ``gemm``.
+    """
+    if stream is None:
+        done = _torch_product(3, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
+        if done is not NotImplemented:
+            return done
+    return _gemm_general("bmm", 3, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, stream)
+
+
 def _torch_gemm(int ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
-    """gemm / bmm of torch tensors on torch's current stream (gemm.py calls it first when no
+    """What gemm (ndim 2) or bmm (3) does first: the torch fast path, or NotImplemented."""
+    return _torch_product(ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
+
+
+cdef object _torch_product(int ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32):
+    """gemm / bmm of torch tensors on torch's current stream (gemm and bmm try it first when no
     stream= is given), when nothing in the call needs more than reading the tensors: the layout
     of their signature was worked out before (by the general path), and the devices agree with
     each other and ctx. Returns NotImplemented otherwise (also while a workspace is released),

@@ -20,6 +20,9 @@ fast path that reads the tensors directly.
 What this module needs from the compiled ``inferctx._core``; ``ctx`` is an InferenceContext,
 each call releases the GIL around the C++ one and C++ errors become inferctx.errors exceptions:
 
+``_core.gemm`` / ``_core.bmm``
+    The public functions (this module's ``gemm`` and ``bmm``): the torch fast path in compiled
+    code, every other call handed to ``_product`` here (``_core._set_gemm_general``).
 ``_core._begin(operands, ctx, stream) -> call``
     The call contract for ``operands`` (a, b, out): ``call.ctx``, ``call.kernel`` (the stream
     handle the product runs on), ``call.import_array(obj, argument) -> CudaArray`` and
@@ -79,7 +82,8 @@ _SHORT = {FLOAT32: "fp32", FLOAT16: "fp16", BFLOAT16: "bf16"}
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 _DL_PLACES = {1: "host", 3: "pinned host", 2: "CUDA device", 13: "CUDA managed"}
 # torch is never imported here; once the caller has imported it, its tensors of a problem seen
-# before take this compiled path (NotImplemented where the general one must decide).
+# before take the compiled path of _core.gemm / _core.bmm (this is its test: NotImplemented where
+# the general path must decide).
 _torch_gemm = _core._torch_gemm
 
 
@@ -87,66 +91,10 @@ _torch_gemm = _core._torch_gemm
 # Public API
 
 
-def gemm(a: Any, b: Any, *, out: Any = None, trans_a: bool = False, trans_b: bool = False,
-         alpha: float = 1.0, beta: float = 0.0, ctx: Any = None, tf32: bool = False,
-         stream: Any = None) -> Any:
-    """``alpha * op(a) @ op(b) + beta * out`` for 2-D CUDA arrays, as NumPy / PyTorch define it.
-
-    Parameters
-    ----------
-    a, b
-        2-D CUDA arrays of the same dtype (float32, float16 or bfloat16) on one device:
-        ``a`` is (m, k), or (k, m) with ``trans_a``; ``b`` is (k, n), or (n, k) with ``trans_b``.
-        Either may be a transposed view (unit stride along its first dimension).
-    out
-        (m, n) array of the same dtype to write into (row- or column-major); a new
-        DeviceView when None.
-    trans_a, trans_b
-        Use the transpose of ``a`` / ``b``.
-    alpha, beta
-        Scale factors (fp32). ``beta`` other than 0 needs ``out``, whose values it scales.
-    ctx
-        The InferenceContext whose cuBLAS handle runs the product; by default the one of the
-        operands' device.
-    tf32
-        float32 only: allow TF32 tensor cores (relative error near 3e-4 instead of near 1e-6).
-    stream
-        Run on this stream (of the operands' device) instead of the caller's current stream;
-        the caller's current stream still waits for the result.
-
-    Returns
-    -------
-    ``out``, or a new array in the operands' package: a torch tensor for torch operands, a CuPy
-    array for CuPy ones, an inferctx.DeviceView otherwise. Accumulation is fp32 for every
-    dtype. The product runs on the caller's current stream (see the module's call contract)
-    and is complete before any later work there; m, n or k may be 0 (k = 0 gives
-    ``beta * out``, zeros for a new result). Untuned, it makes the cuBLAS call torch.matmul
-    makes (``cublasGemmEx``), so it gives torch's bits at torch's speed; ``autotune_gemm``
-    may find a faster cuBLASLt algorithm.
-    """
-    if stream is None:  # torch tensors of a problem seen before: compiled, in one call
-        done = _torch_gemm(2, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
-        if done is not NotImplemented:
-            return done
-    return _product("gemm", 2, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, stream)
-
-
-def bmm(a: Any, b: Any, *, out: Any = None, trans_a: bool = False, trans_b: bool = False,
-        alpha: float = 1.0, beta: float = 0.0, ctx: Any = None, tf32: bool = False,
-        stream: Any = None) -> Any:
-    """Batched ``gemm`` of 3-D CUDA arrays: ``out[i] = alpha * op(a[i]) @ op(b[i]) + beta * out[i]``.
-
-    ``a`` is (batch, m, k) (or (batch, k, m) with ``trans_a``), ``b`` is (batch, k, n) (or
-    (batch, n, k) with ``trans_b``); a batch size of 1 in one operand is broadcast over the
-    other's. Any batch stride works, so a (batch, m, n) view of an (m, batch, n) array does
-    too. Returns ``out`` or a new (batch, m, n) array in the operands' package. Other arguments,
-    and the call contract, as in ``gemm``.
-    """
-    if stream is None:  # torch tensors of a problem seen before: compiled, in one call
-        done = _torch_gemm(3, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32)
-        if done is not NotImplemented:
-            return done
-    return _product("bmm", 3, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, stream)
+# gemm and bmm are compiled (inferctx._core): their all-torch fast path costs no Python frame,
+# and they hand every other call to _product below.
+gemm = _core.gemm
+bmm = _core.bmm
 
 
 def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bool = False,
@@ -339,6 +287,9 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
     result = _core._gemm(call, ndim, va, vb, vc, out, trans_a, trans_b, alpha, beta, tf32)
     call.done()
     return result
+
+
+_core._set_gemm_general(_product)  # where _core.gemm / _core.bmm send what is not their fast path
 
 
 def _ctx_device_error(name, device, ctx_device):

@@ -92,10 +92,11 @@ def test_lazy_names_are_the_gpu_modules_names():
 
 
 def test_gemm_stays_the_function_after_its_module_is_imported():
-    out = subprocess.run([sys.executable, "-c", "import inferctx.gemm, inferctx, sys; "
-                          "print(callable(inferctx.gemm), type(inferctx.gemm).__name__, "
+    out = subprocess.run([sys.executable, "-c", "import inferctx.gemm, inferctx, sys, types; "
+                          "print(callable(inferctx.gemm), isinstance(inferctx.gemm, types.ModuleType), "
+                          "inferctx.gemm is sys.modules['inferctx.gemm'].gemm, "
                           "type(sys.modules['inferctx.gemm']).__name__)"], capture_output=True, text=True)
-    assert out.stdout.split() == ["True", "function", "module"], out.stderr
+    assert out.stdout.split() == ["True", "False", "True", "module"], out.stderr
 
 
 def test_unknown_attribute():
