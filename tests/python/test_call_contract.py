@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import inferctx
+import philox_reference as ref
 from inferctx.errors import ConfigError
 
 pytestmark = pytest.mark.gpu
@@ -228,6 +229,52 @@ def test_deviceview_caller_after_use_stream_other(torch, ctx, name):
         r = case.call()
         assert isinstance(r, inferctx.DeviceView)
         _run_trials(torch, case)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("caller", ["torch", "cupy"])
+def test_plain_dropout_result_and_bit_mask_read_right_after_the_call(torch, ctx, caller, dtype):
+    # dropout(x, p) exactly as users call it: no seed, no out=, no mask_out=, no synchronize. The
+    # Philox state is the context's (read before each call; the call takes increment_offset(4)),
+    # and both results, y and the bit mask, are read on the caller's current stream right after
+    # the call, then checked against the NumPy Philox reference.
+    n = (1 << 16) + 37  # whole 1024-element tiles and a scalar tail
+    tdt = getattr(torch, dtype)
+    x = torch.empty(n, device="cuda", dtype=tdt)
+    if caller == "cupy":
+        cp = pytest.importorskip("cupy")
+        operand = cp.from_dlpack(x)  # the same memory; CuPy's current stream is the legacy one
+
+        def read(r):
+            return r.copy()  # on CuPy's current stream
+
+        def to_numpy(r):
+            return cp.asnumpy(r)
+    else:
+        operand = x
+
+        def read(r):
+            return r.clone()  # on torch's current stream
+
+        def to_numpy(r):
+            return r.cpu().numpy()
+    torch.cuda.synchronize()
+    inferctx.dropout(operand, 0.5)  # the first call of the path; not timed, not checked
+    reads = []
+    for trial in range(TRIALS):
+        state = ctx.rng_state
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        x.copy_(_ints(torch, (n,), 2000 + trial, tdt))  # the producer, after the sleep
+        y, mask = inferctx.dropout(operand, 0.5)
+        reads.append((state, read(y), read(mask), x.clone()))
+    torch.cuda.synchronize()
+    for trial, (state, y, mask, x0) in enumerate(reads):
+        keep = ref.dropout_keep(state[0], state[1], 0.5, n)
+        words = to_numpy(mask).view(np.uint32)
+        assert words.shape == ((n + 31) // 32,), (trial, words.shape)
+        assert np.array_equal(ref.unpack_bits(words, n), keep), ("mask", trial)
+        want = ref.dropout_float32(x0.float().cpu().numpy(), keep, 0.5)  # small integers: exact
+        assert np.array_equal(to_numpy(y).astype(np.float32), want), ("y", trial)
 
 
 def test_kernel_then_sync_comp_then_comm_stream_read(torch, ctx):

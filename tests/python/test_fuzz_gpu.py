@@ -110,12 +110,16 @@ def attempt(fn, allowed, *, producer_ok=False):
         raise AssertionError(f"undocumented {type(exc).__name__} from the call: {exc!r}") from exc
 
 
-def producer_refused_stream(out, stream):
-    """Whether `out` is a DLPack producer's own refusal of the consumer stream 2 (CUDA's
-    per-thread default stream, which torch's __dlpack__ does not support): the producer's error
-    reaches the caller unchanged, as for any producer error (README)."""
-    return (isinstance(out, Raised) and getattr(out.exc, "from_producer", False)
-            and isinstance(out.exc, BufferError) and type(stream) is int and stream == 2)
+def passed_through_from_producer(torch, context, out, dlpack_operand, stream):
+    """Whether `out` is an error a DLPack producer raised itself, which reaches the caller
+    unchanged (README); the one such case a well-behaved operand gives is torch's __dlpack__
+    refusing the consumer stream 2 (CUDA's per-thread default stream) with BufferError. When
+    it is, the context must still work."""
+    if not (isinstance(out, Raised) and getattr(out.exc, "from_producer", False)):
+        return False
+    assert dlpack_operand and isinstance(out.exc, BufferError) and type(stream) is int and stream == 2, out
+    healthy(torch, context)
+    return True
 
 
 # -- hostile objects ---------------------------------------------------------------------------
@@ -692,9 +696,7 @@ def test_gpu_dropout(gpu, data):
         kw["ctx"] = ctx_arg
 
     out = attempt(lambda: inferctx.dropout(xo, p, **kw), KERNEL_ERRORS, producer_ok=True)
-    if isinstance(out, Raised) and getattr(out.exc, "from_producer", False):
-        assert kind == "dlpack" and producer_refused_stream(out, stream), out
-        healthy(torch, context)
+    if passed_through_from_producer(torch, context, out, kind == "dlpack", stream):
         return
     must_fail = (not _valid_p(p) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16)
                  or x.device.type != "cuda" or (not x.is_contiguous() and n > 1)
@@ -777,9 +779,7 @@ def test_gpu_apply_mask(gpu, data):
     if out_how == "grad itself":
         kw["out"] = go
     out = attempt(lambda: inferctx.apply_mask(go, mask, p, **kw), KERNEL_ERRORS, producer_ok=True)
-    if isinstance(out, Raised) and getattr(out.exc, "from_producer", False):
-        assert kind == "dlpack" and producer_refused_stream(out, stream), out
-        healthy(torch, context)
+    if passed_through_from_producer(torch, context, out, kind == "dlpack", stream):
         return
     if (not _valid_p(p) or grad.dtype not in (torch.float32, torch.float16, torch.bfloat16)
             or grad.device.type != "cuda" or mask_how in ("float", "cpu") or streams.bad(stream)
@@ -916,9 +916,7 @@ def test_gpu_gemm_and_bmm(gpu, data):
         kw["out"] = as_kind(torch, kw["out"], kinds[2], context)
     fn = getattr(inferctx, entry)
     out = attempt(lambda: fn(ao, bo, **kw), KERNEL_ERRORS, producer_ok=True)
-    if isinstance(out, Raised) and getattr(out.exc, "from_producer", False):
-        assert "dlpack" in kinds and producer_refused_stream(out, stream), out
-        healthy(torch, context)
+    if passed_through_from_producer(torch, context, out, "dlpack" in kinds, stream):
         return
     must_fail = (b_dtype != dtype or a_dim != ndim or not isinstance(trans_a, bool)
                  or not isinstance(trans_b, bool) or "cpu" in (la, lb, out_how)
