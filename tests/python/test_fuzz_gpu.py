@@ -502,7 +502,14 @@ def gpu(torch, ctx):
     torch.matmul(x, x)
     del x
     before = _mem_figures(torch, ctx)
-    yield torch, ctx, streams
+    # What is alive now (torch's modules, hypothesis's) is frozen out of the collector, so that
+    # the collections each case makes scan only what the cases made, not every object torch
+    # and hypothesis made (such a full collection took most of a case's time).
+    gc.freeze()
+    try:
+        yield torch, ctx, streams
+    finally:
+        gc.unfreeze()
     restore(ctx)
     ctx.set_seed(state[0])
     plan_small(ctx)

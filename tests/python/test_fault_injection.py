@@ -1,0 +1,413 @@
+"""Injected failures seen from Python: the N-th call at each kind of site fails (device and pool
+allocations, pinned allocations, virtual-memory calls, event and stream creation, cuBLAS
+statuses), for every N an operation reaches, and each time the operation must raise the Python
+exception of the documented class and leave the context as promised: the previous plan, its
+addresses and contents after a failed gen_workspace, still released after a failed retake, still
+held with its contents after a failed keep_contents release, the Philox state untouched by a
+kernel call that failed before its launch, no memory lost, and the next call right.
+
+The hook exists only in a build configured with -DINFERCTX_FAULT_INJECTION=ON (never a wheel);
+`tools/gpu-suite faults` builds one and runs this file against it. In any other build the GPU
+tests here skip, saying so, and the first test checks that the hook refuses to arm.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import inferctx
+from inferctx import _core
+from inferctx.errors import ConfigError, CublasError, CudaError, WorkspaceOOMError
+
+from gpu_context import KV_SHAPE, SHAPE, WORKSPACE_BYTES, ctx, pinned_of, plan_small  # noqa: F401
+
+COMPILED_IN = _core._fault_compiled_in()
+needs_hook = pytest.mark.skipif(
+    not COMPILED_IN, reason="needs a build with -DINFERCTX_FAULT_INJECTION=ON (tools/gpu-suite faults)")
+
+SITES = ("device_alloc", "pinned_alloc", "virtual_memory", "event", "stream", "cublas")
+# The code each site's calls return for "out of memory", and one for another failure:
+# cudaErrorMemoryAllocation / cudaErrorUnknown, CUDA_ERROR_OUT_OF_MEMORY / CUDA_ERROR_UNKNOWN,
+# CUBLAS_STATUS_ALLOC_FAILED / CUBLAS_STATUS_EXECUTION_FAILED.
+OOM_CODE = {"virtual_memory": 2, "cublas": 3}
+OTHER_CODE = {"virtual_memory": 999, "cublas": 13}
+MAX_NTH = 64  # no operation here reaches a site more often
+SLACK = 2 << 20  # free-memory figures move by up to 2 MiB on their own
+
+
+def oom_code(site):
+    return OOM_CODE.get(site, 2)
+
+
+def other_code(site):
+    return OTHER_CODE.get(site, 999)
+
+
+def test_any_machine_the_hook_is_refused_outside_a_fault_injection_build():
+    """A release build cannot arm a site: ConfigError saying how to get one, nothing counted."""
+    with pytest.raises(ConfigError, match="site: got 'heap'; the sites are device_alloc"):
+        _core._fault_calls("heap")
+    if COMPILED_IN:
+        _core._fault_arm("stream", 0, 2)  # nth 0 disarms
+        assert _core._fault_calls("stream") == 0
+        return
+    with pytest.raises(ConfigError, match="INFERCTX_FAULT_INJECTION=ON"):
+        _core._fault_arm("cublas", 1, 3)
+    assert [_core._fault_calls(s) for s in SITES] == [0] * 6
+
+
+def each_failure(op, site, code, expected, check, *, setup=None, may_recover=False):
+    """Fails the nth call at `site` with `code` for n = 1, 2, ... until `op` completes without
+    reaching n. Each failed attempt must raise one of `expected`; `check(exc)` then holds.
+    `setup` runs unarmed before each attempt. With `may_recover`, an attempt may complete
+    although it reached n (the failed call was retried). Returns the failures seen."""
+    failures = 0
+    for nth in range(1, MAX_NTH + 1):
+        if setup is not None:
+            setup()
+        _core._fault_arm(site, nth, code)
+        result = None
+        try:
+            result = op()  # kept until disarmed: freeing it may reach a site too
+        except expected as exc:
+            reached = _core._fault_calls(site) >= nth
+            _core._fault_disarm_all()
+            assert reached, f"{site} #{nth} was not reached, yet the call raised {exc!r}"
+            check(exc)
+            failures += 1
+            continue
+        except BaseException as exc:
+            _core._fault_disarm_all()
+            raise AssertionError(f"{site} #{nth} (code {code}): {type(exc).__name__}: {exc}, "
+                                 f"expected {' or '.join(e.__name__ for e in expected)}") from exc
+        reached = _core._fault_calls(site) >= nth
+        _core._fault_disarm_all()
+        del result
+        if reached and not may_recover:
+            raise AssertionError(f"{site} #{nth} (code {code}) was reached, yet the call succeeded")
+        if not reached:
+            return failures
+        failures += 1  # reached and recovered from
+    raise AssertionError(f"{site}: still reached after {MAX_NTH} calls")
+
+
+def host_values(view):
+    """The view's bytes, copied through a PinnedBuffer (made before any site is armed)."""
+    buf = inferctx.PinnedBuffer(view.nbytes)
+    view.copy_to_host(buf)
+    buf.synchronize()
+    return np.frombuffer(buf, dtype=np.uint8).copy()
+
+
+def fill(view, values):
+    buf = pinned_of(np.ascontiguousarray(values))
+    view.copy_from_host(buf)
+    buf.synchronize()
+    view.context.stream.synchronize()
+
+
+def settled_memory(context):
+    gc.collect()
+    context.stream.synchronize()
+    context.memory_pool.trim()
+    return _core._memory_info(context.device)[0]
+
+
+@pytest.fixture
+def faults(ctx):  # noqa: F811
+    """The small plan's context with every site disarmed; at the end, disarmed again, the
+    context usable and no device memory lost."""
+    if not COMPILED_IN:
+        pytest.skip("needs a build with -DINFERCTX_FAULT_INJECTION=ON (tools/gpu-suite faults)")
+    _core._fault_disarm_all()
+    inferctx.dropout(_core._empty(ctx.device, (64,)), 0.5)  # the pool's first block, made outside
+    free0 = settled_memory(ctx)
+    pool0 = ctx.memory_pool.stats()
+    yield ctx
+    _core._fault_disarm_all()
+    if ctx.released:
+        ctx.retake_workspace()
+    plan_small(ctx)
+    free1 = settled_memory(ctx)
+    pool1 = ctx.memory_pool.stats()
+    assert pool1["used_bytes"] <= pool0["used_bytes"] and pool1["allocations"] <= pool0["allocations"], \
+        (pool0, pool1)
+    assert free1 >= free0 - SLACK, (free0, free1)
+    x = _core._empty(ctx.device, (4096,))
+    fill(x, np.full(4096, 1.0, np.float32))
+    y, _ = inferctx.dropout(x, 0.0)
+    assert np.array_equal(host_values(y).view(np.float32), np.full(4096, 1.0, np.float32))
+
+
+def codes(site):
+    return [oom_code(site), other_code(site)]
+
+
+@pytest.mark.gpu
+@needs_hook
+@pytest.mark.parametrize("what", ["Stream", "Event", "PinnedBuffer", "pool view"])
+def test_gpu_each_creation_failure_raises_cuda_error_and_the_next_works(faults, what):
+    site, make = {
+        "Stream": ("stream", lambda: inferctx.Stream(device=faults.device)),
+        "Event": ("event", lambda: inferctx.Event(faults.device, timing=True)),
+        "PinnedBuffer": ("pinned_alloc", lambda: inferctx.PinnedBuffer(1 << 20)),
+        "pool view": ("device_alloc", lambda: _core._empty(faults.device, (1 << 18,))),
+    }[what]
+    pool = faults.memory_pool
+    for code in codes(site):
+        before = pool.stats()
+
+        def check(exc):
+            assert type(exc) is CudaError and exc.code == code, exc
+            assert pool.stats()["used_bytes"] == before["used_bytes"]
+
+        assert each_failure(make, site, code, (CudaError,), check) >= 1
+        made = make()  # and the next one works
+        del made
+
+
+def _products(context):
+    """Small integer operands (exact in fp32) as DeviceViews, and their product worked out by
+    NumPy."""
+    g = np.random.default_rng(5)
+    a = g.integers(-4, 5, (48, 40)).astype(np.float32)
+    b = g.integers(-4, 5, (40, 24)).astype(np.float32)
+    va, vb = _core._empty(context.device, a.shape), _core._empty(context.device, b.shape)
+    fill(va, a)
+    fill(vb, b)
+    return va, vb, a @ b
+
+
+@pytest.mark.gpu
+@needs_hook
+@pytest.mark.parametrize("site", ["device_alloc", "cublas", "event"])
+def test_gpu_a_failed_gemm_raises_and_the_next_gives_the_exact_product(faults, site):
+    va, vb, want = _products(faults)
+    expected = (CublasError,) if site == "cublas" else (CudaError,)
+    for code in codes(site):
+        def check(exc):
+            assert isinstance(exc, expected) and exc.code == code, exc
+
+        each_failure(lambda: inferctx.gemm(va, vb), site, code, expected, check)
+        got = inferctx.gemm(va, vb)
+        assert np.array_equal(host_values(got).view(np.float32).reshape(want.shape), want)
+    if site == "cublas":  # a product reaches cuBLAS, so at least one failure was seen
+        assert each_failure(lambda: inferctx.gemm(va, vb), site, 13, expected, lambda e: None) >= 1
+
+
+@pytest.mark.gpu
+@needs_hook
+def test_gpu_a_failed_torch_gemm_raises_cublas_error_and_the_next_has_torch_bits(faults, torch):
+    g = torch.Generator(device="cpu").manual_seed(3)
+    a = torch.randn(64, 96, generator=g).to(f"cuda:{faults.device}", torch.float16)
+    b = torch.randn(96, 32, generator=g).to(f"cuda:{faults.device}", torch.float16)
+    want = torch.matmul(a, b)
+    inferctx.gemm(a, b)  # the signature's layout is known: later calls take the fast path
+    for code in codes("cublas"):
+        out = torch.full((64, 32), 7.0, device=a.device, dtype=torch.float16)
+        n = each_failure(lambda: inferctx.gemm(a, b, out=out), "cublas", code, (CublasError,),
+                         lambda exc: None)
+        assert n >= 1
+        n = each_failure(lambda: inferctx.gemm(a, b), "cublas", code, (CublasError,), lambda exc: None)
+        assert n >= 1
+        assert torch.equal(inferctx.gemm(a, b), want)
+        assert torch.equal(inferctx.gemm(a, b, out=out), want)
+
+
+@pytest.mark.gpu
+@needs_hook
+@pytest.mark.parametrize("site", ["device_alloc", "event"])
+def test_gpu_a_failed_dropout_leaves_the_philox_state_and_the_next_is_right(faults, site):
+    """A plain dropout on a DeviceView whose result or mask cannot be allocated raises before
+    its launch: the Philox offset is where it was, so the next call draws the mask it would
+    have drawn."""
+    n = 5000
+    x = _core._empty(faults.device, (n,))
+    fill(x, np.full(n, 1.0, np.float32))
+    for code in codes(site):
+        state = faults.rng_state
+
+        def check(exc):
+            assert type(exc) is CudaError and exc.code == code, exc
+            assert faults.rng_state == state
+
+        each_failure(lambda: inferctx.dropout(x, 0.5), site, code, (CudaError,), check)
+        y, mask = inferctx.dropout(x, 0.5)
+        y2, mask2 = inferctx.dropout(x, 0.5, seed=state[0], offset=state[1])
+        assert faults.rng_state[1] == state[1] + 4
+        assert np.array_equal(host_values(y), host_values(y2))
+        assert np.array_equal(host_values(mask), host_values(mask2))
+
+
+@pytest.mark.gpu
+@needs_hook
+@pytest.mark.parametrize("site", ["virtual_memory", "device_alloc"])
+def test_gpu_a_failed_gen_workspace_keeps_the_previous_plan_addresses_and_contents(faults, site):
+    plan = faults.plan
+    ws = faults.workspace
+    ptr, nbytes = ws.ptr, faults.workspace_bytes
+    assert nbytes == WORKSPACE_BYTES
+    k, _ = faults.kv_cache(1)
+    pattern = np.arange(k.nbytes, dtype=np.uint32).astype(np.uint8)
+    fill(k, pattern)
+    bigger = dict(batch_size=8, max_out_tokens=512)
+    for code in codes(site):
+        def check(exc):
+            assert isinstance(exc, (WorkspaceOOMError, CudaError)), exc
+            assert not isinstance(exc, WorkspaceOOMError) or code == oom_code(site), exc
+            assert faults.plan is plan and not faults.released
+            assert faults.workspace.ptr == ptr and faults.workspace_bytes == nbytes
+            k2, _ = faults.kv_cache(1)
+            assert k2.ptr == k.ptr and k2.shape == KV_SHAPE
+            assert np.array_equal(host_values(k2), pattern)
+
+        def grow():
+            plan_small(faults, **bigger)
+
+        each_failure(grow, site, code, (WorkspaceOOMError, CudaError), check, setup=lambda: plan_small(faults),
+                     may_recover=site == "device_alloc")
+    # With no failure, the bigger plan is made; then the small one again.
+    assert plan_small(faults, **bigger).batch_size == 8
+    plan_small(faults)
+
+
+@pytest.mark.gpu
+@needs_hook
+@pytest.mark.parametrize("site", ["virtual_memory", "device_alloc"])
+def test_gpu_a_failed_retake_leaves_the_context_released_and_the_next_retake_works(faults, site):
+    plan = faults.plan
+    ptr = faults.workspace.ptr
+    stable = faults.addresses_stable
+    faults.release_workspace()
+    for code in codes(site):
+        def check(exc):
+            assert isinstance(exc, (WorkspaceOOMError, CudaError)), exc
+            assert faults.released and faults.plan is plan
+
+        each_failure(faults.retake_workspace, site, code, (WorkspaceOOMError, CudaError), check,
+                     setup=lambda: faults.released or faults.release_workspace())
+    if not faults.released:
+        faults.release_workspace()
+    assert faults.retake_workspace() is True
+    assert not faults.released
+    if stable:
+        assert faults.workspace.ptr == ptr
+
+
+@pytest.mark.gpu
+@needs_hook
+def test_gpu_a_failed_keep_contents_release_keeps_the_workspace_and_its_bytes(faults):
+    if faults.host_copy_bytes:
+        faults.release_workspace()  # a plain release gives the kept host copy back
+        faults.retake_workspace()
+    k, _ = faults.kv_cache(0)
+    pattern = (np.arange(k.nbytes) * 7 % 251).astype(np.uint8)
+    fill(k, pattern)
+    for code in codes("pinned_alloc"):
+        def check(exc):
+            assert type(exc) is CudaError and exc.code == code, exc
+            assert not faults.released
+            assert np.array_equal(host_values(k), pattern)
+
+        assert each_failure(lambda: faults.release_workspace(keep_contents=True), "pinned_alloc", code,
+                            (CudaError,), check, setup=lambda: faults.released and faults.retake_workspace()) >= 1
+    assert faults.released
+    faults.retake_workspace()
+    assert np.array_equal(host_values(faults.kv_cache(0)[0]), pattern)
+    faults.release_workspace()  # the pinned host copy goes too
+    faults.retake_workspace()
+
+
+@pytest.mark.gpu
+@needs_hook
+def test_gpu_a_failed_unmap_is_retried_so_a_release_frees_the_workspace(faults):
+    if not faults.addresses_stable:
+        pytest.skip("the cudaMalloc fallback unmaps nothing")
+    plan_small(faults, batch_size=8, max_out_tokens=512)  # 40 MiB of activations alone
+    held = faults.held_bytes
+    assert held > 32 * SLACK
+    free_held = settled_memory(faults)
+
+    def release():
+        faults.release_workspace()
+
+    for code in codes("virtual_memory"):
+        def retake():
+            if faults.released:
+                faults.retake_workspace()
+
+        each_failure(release, "virtual_memory", code, (CudaError,), lambda exc: None, setup=retake,
+                     may_recover=True)
+        assert faults.released
+        assert settled_memory(faults) >= free_held + held - SLACK
+        faults.retake_workspace()
+
+
+@pytest.mark.gpu
+@needs_hook
+@pytest.mark.parametrize("site", ["cublas", "device_alloc"])
+def test_gpu_a_failed_autotune_keeps_the_cache_and_the_next_tunes(faults, site):
+    shape = (40, 24, 48)
+    inferctx.clear_gemm_cache()
+    before = inferctx.gemm_cache_entries()
+    expected = (CublasError,) if site == "cublas" else (CudaError,)
+    tune = lambda: inferctx.autotune_gemm([shape], "float32", progress=False, force=True,  # noqa: E731
+                                          max_algorithms=4, warmup=1, repeats=1)
+
+    def check(exc):
+        assert isinstance(exc, expected), exc
+        assert inferctx.gemm_cache_entries() == before
+
+    each_failure(tune, site, oom_code(site), expected, check,
+                 setup=inferctx.clear_gemm_cache)
+    assert len(tune()) == 1
+    inferctx.clear_gemm_cache()
+
+
+_CREATE = textwrap.dedent("""
+    import sys
+    from inferctx import _core
+    from inferctx.context import InferenceContext
+    from inferctx.errors import CudaError
+    site, code = sys.argv[1], int(sys.argv[2])
+    failures = 0
+    for nth in range(1, 65):
+        _core._fault_arm(site, nth, code)
+        try:
+            ctx = InferenceContext.instance()
+        except CudaError as exc:
+            assert _core._fault_calls(site) >= nth, ("not reached, yet", nth, exc)
+            failures += 1
+            continue
+        assert _core._fault_calls(site) < nth, ("reached, yet made", nth)
+        break
+    _core._fault_disarm_all()
+    import inferctx
+    x = _core._empty(ctx.device, (256,))
+    y, _ = inferctx.dropout(x, 0.0)
+    ctx.stream.synchronize()
+    print("failures", failures)
+""")
+
+
+@pytest.mark.gpu
+@needs_hook
+@pytest.mark.parametrize("site", ["stream", "event", "device_alloc", "cublas"])
+def test_gpu_a_failed_context_creation_raises_cuda_error_and_the_next_makes_one(site):
+    """In a fresh process (a process makes its context once): every failed creation raises
+    CudaError and keeps nothing, and the next instance() makes a working context."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    code = str(oom_code(site))
+    r = subprocess.run([sys.executable, "-c", _CREATE, site, code], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    failures = int(r.stdout.split("failures")[-1])
+    if site in ("stream", "event", "cublas"):  # creating a context reaches each of them
+        assert failures >= 1, r.stdout
