@@ -217,7 +217,9 @@ def test_gpu_a_failed_gemm_raises_and_the_next_gives_the_exact_product(faults, s
 
 @pytest.mark.gpu
 @needs_hook
-def test_gpu_a_failed_torch_gemm_raises_cublas_error_and_the_next_has_torch_bits(faults, torch):
+def test_gpu_a_failed_torch_gemm_raises_cublas_error_and_the_next_has_torch_bits(torch, faults):
+    # (torch first: the fixture then sees it loaded and takes torch's stream's cuBLAS workspace
+    # before it counts)
     g = torch.Generator(device="cpu").manual_seed(3)
     a = torch.randn(64, 96, generator=g).to(f"cuda:{faults.device}", torch.float16)
     b = torch.randn(96, 32, generator=g).to(f"cuda:{faults.device}", torch.float16)
@@ -278,7 +280,7 @@ def test_gpu_a_failed_gen_workspace_keeps_the_previous_plan_addresses_and_conten
         def check(exc):
             assert isinstance(exc, (WorkspaceOOMError, CudaError)), exc
             assert not isinstance(exc, WorkspaceOOMError) or code == oom_code(site), exc
-            assert faults.plan is plan and not faults.released
+            assert faults.plan == plan and not faults.released  # setup made an equal plan anew
             assert faults.workspace.ptr == ptr and faults.workspace_bytes == nbytes
             k2, _ = faults.kv_cache(1)
             assert k2.ptr == k.ptr and k2.shape == KV_SHAPE
