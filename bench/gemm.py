@@ -296,7 +296,7 @@ def main(argv=None):
                 "inferctx.gemm(out=)": lambda: G.gemm(a, b, out=c),
             }, calls=100, reps=21, slack_us=60.0)
         # Whether the plain call takes the compiled torch path (it returns NotImplemented otherwise).
-        fast_path = G._torch_gemm(2, a, b, None, False, False, 1.0, 0.0, None, False) is not NotImplemented
+        fast_path = _core._torch_gemm(2, a, b, None, False, False, 1.0, 0.0, None, False) is not NotImplemented
 
     report(results, host, props, args, fast_path)
     if args.json:

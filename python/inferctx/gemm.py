@@ -82,9 +82,7 @@ _SHORT = {FLOAT32: "fp32", FLOAT16: "fp16", BFLOAT16: "bf16"}
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 _DL_PLACES = {1: "host", 3: "pinned host", 2: "CUDA device", 13: "CUDA managed"}
 # torch is never imported here; once the caller has imported it, its tensors of a problem seen
-# before take the compiled path of _core.gemm / _core.bmm (this is its test: NotImplemented where
-# the general path must decide).
-_torch_gemm = _core._torch_gemm
+# before take the compiled path of _core.gemm / _core.bmm.
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,6 +33,24 @@ def pinned_of(values):
     return buf
 
 
+def settled_free_memory(ctx):
+    """Free device memory once nothing is pending: garbage collected, the context's stream and
+    torch (where loaded) synchronised, torch's cached blocks and the pool's unused memory given
+    back."""
+    import sys
+
+    from inferctx import _core
+
+    gc.collect()
+    ctx.stream.synchronize()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # torch's cached blocks are no inferctx memory
+    ctx.memory_pool.trim()
+    return _core._memory_info(ctx.device)[0]
+
+
 def plan_small(ctx, **overrides):
     """Puts the small plan (with `overrides`) in force on `ctx`."""
     return ctx.gen_workspace(SHAPE, **{**REQUEST, **overrides})

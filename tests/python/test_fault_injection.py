@@ -13,7 +13,6 @@ tests here skip, saying so, and the first test checks that the hook refuses to a
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -26,7 +25,8 @@ import inferctx
 from inferctx import _core
 from inferctx.errors import ConfigError, CublasError, CudaError, WorkspaceOOMError
 
-from gpu_context import KV_SHAPE, WORKSPACE_BYTES, ctx, pinned_of, plan_small  # noqa: F401 (fixture)
+from gpu_context import (KV_SHAPE, WORKSPACE_BYTES, ctx, pinned_of, plan_small,  # noqa: F401 (fixture)
+                         settled_free_memory)
 
 COMPILED_IN = _core._fault_compiled_in()
 needs_hook = pytest.mark.skipif(
@@ -113,17 +113,6 @@ def fill(view, values):
     view.context.stream.synchronize()
 
 
-def settled_memory(context):
-    gc.collect()
-    context.stream.synchronize()
-    context.memory_pool.trim()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # torch's cached blocks are no inferctx memory
-    return _core._memory_info(context.device)[0]
-
-
 @pytest.fixture
 def faults(ctx):  # noqa: F811
     """The small plan's context with every site disarmed; at the end, disarmed again, the
@@ -143,7 +132,7 @@ def faults(ctx):  # noqa: F811
         torch.matmul(t, t)  # torch's own cuBLAS handle and workspace
         del t
     del x
-    free0 = settled_memory(ctx)
+    free0 = settled_free_memory(ctx)
     held0 = ctx.held_bytes
     pool0 = ctx.memory_pool.stats()
     yield ctx
@@ -151,7 +140,7 @@ def faults(ctx):  # noqa: F811
     if ctx.released:
         ctx.retake_workspace()
     plan_small(ctx)
-    free1 = settled_memory(ctx)
+    free1 = settled_free_memory(ctx)
     held1 = ctx.held_bytes
     pool1 = ctx.memory_pool.stats()
     assert pool1["used_bytes"] <= pool0["used_bytes"] and pool1["allocations"] <= pool0["allocations"], \
@@ -365,7 +354,7 @@ def test_gpu_a_failed_unmap_is_retried_so_a_release_frees_the_workspace(faults):
     plan_small(faults, batch_size=8, max_out_tokens=512)  # 40 MiB of activations alone
     held = faults.held_bytes
     assert held > 32 * SLACK
-    free_held = settled_memory(faults)
+    free_held = settled_free_memory(faults)
 
     def release():
         faults.release_workspace()
@@ -378,7 +367,7 @@ def test_gpu_a_failed_unmap_is_retried_so_a_release_frees_the_workspace(faults):
         each_failure(release, "virtual_memory", code, (CudaError,), lambda exc: None, setup=retake,
                      may_recover=True)
         assert faults.released
-        assert settled_memory(faults) >= free_held + held - SLACK
+        assert settled_free_memory(faults) >= free_held + held - SLACK
         faults.retake_workspace()
 
 

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 import inferctx
 import philox_reference as ref
 from dlpack_ctypes import IS_COPIED, capsule_name, read
-from gpu_context import SHAPE, ctx, plan_small  # noqa: F401 (fixture)
+from gpu_context import SHAPE, ctx, plan_small, settled_free_memory  # noqa: F401 (fixture)
 from inferctx import (ConfigError, CudaError, NoCudaDeviceError, TokenLimitError, WorkspaceOOMError,
                       WorkspaceStateError)
 
@@ -442,14 +442,8 @@ def _torch_dtype(torch, name):
 
 
 def _mem_figures(torch, context):
-    gc.collect()
-    torch.cuda.synchronize()
-    context.stream.synchronize()
-    torch.cuda.empty_cache()
-    pool = context.memory_pool
-    pool.trim()
-    free = torch.cuda.mem_get_info(context.device)[0]
-    return free, context.held_bytes, pool.stats()
+    free = settled_free_memory(context)
+    return free, context.held_bytes, context.memory_pool.stats()
 
 
 def healthy(torch, context):
