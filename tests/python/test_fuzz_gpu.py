@@ -13,7 +13,8 @@ hostile object's own protocol raised may pass through unchanged), never anything
 the case a valid call succeeds (no CUDA error left pending); at the end of each test the free
 device memory and the context's pool are back within a few MiB of the start.
 
-Cases per test: INFERCTX_FUZZ_EXAMPLES (default 200; the issue's figure is 10000 on the H200).
+Cases per test: INFERCTX_FUZZ_EXAMPLES (default 200; the issue's figure is 10000 on the H200), and
+for autotune_gemm a tenth of that unless INFERCTX_FUZZ_SLOW_EXAMPLES says otherwise.
 Runs are reproducible (derandomize). The first part runs on any machine (what is refused before
 a device is read, and NoCudaDeviceError where one would be); the rest is marked ``gpu``.
 """
@@ -46,8 +47,10 @@ gm = importlib.import_module("inferctx.gemm")
 EXAMPLES = int(os.environ.get("INFERCTX_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-# The slow entry point (every valid case times cuBLASLt candidates) gets a tenth.
-FUZZ_SLOW = settings(FUZZ, max_examples=max(10, EXAMPLES // 10))
+# The slow entry point (every valid case times cuBLASLt candidates) gets a tenth, unless
+# INFERCTX_FUZZ_SLOW_EXAMPLES asks for a count of its own.
+SLOW_EXAMPLES = int(os.environ.get("INFERCTX_FUZZ_SLOW_EXAMPLES", max(10, EXAMPLES // 10)))
+FUZZ_SLOW = settings(FUZZ, max_examples=SLOW_EXAMPLES)
 
 MIB = 1 << 20
 LEAK_TOLERANCE = 4 * MIB  # a VMM granule (2 MiB) of rounding on either measurement
