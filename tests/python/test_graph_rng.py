@@ -243,7 +243,10 @@ def test_a_destroyed_graph_releases_its_site(torch, ctx):
     # A sanitizer (INFERCTX_SANITIZE) slows the CUDA thread that runs the destructors by far more.
     deadline = time.monotonic() + (120 if os.environ.get("INFERCTX_SANITIZE") else 10)
     while _core.graph_rng_state(ctx)["live_sites"] != live and time.monotonic() < deadline:
-        time.sleep(0.01)  # user-object destructors run on a CUDA thread
+        # User-object destructors run on a shared CUDA thread, at no set time; a synchronising
+        # call gives the driver its chance to run them (a sanitizer may hold them back till one).
+        torch.cuda.synchronize()
+        time.sleep(0.01)
     assert _core.graph_rng_state(ctx)["live_sites"] == live
 
 
