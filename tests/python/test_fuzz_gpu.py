@@ -509,9 +509,10 @@ def gpu(torch, ctx):
     torch.matmul(x, x)
     del x
     before = _mem_figures(torch, ctx)
-    # What is alive now (torch's modules, hypothesis's) is frozen out of the collector, so that
-    # the collections each case makes scan only what the cases made, not every object torch
-    # and hypothesis made (such a full collection took most of a case's time).
+    # What is alive now (torch's modules, hypothesis's) is frozen out of the collector, and
+    # collect() freezes what survives each case, so that a collection scans only what the case
+    # in hand made, not every object torch and hypothesis made (such a full collection took
+    # most of a case's time).
     gc.freeze()
     try:
         yield torch, ctx, streams
