@@ -14,6 +14,7 @@ tests here skip, saying so, and the first test checks that the hook refuses to a
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,6 +62,21 @@ def test_any_machine_the_hook_is_refused_outside_a_fault_injection_build():
     with pytest.raises(ConfigError, match="INFERCTX_FAULT_INJECTION=ON"):
         _core._fault_arm("cublas", 1, 3)
     assert [_core._fault_calls(s) for s in SITES] == [0] * 6
+
+
+def test_any_machine_the_site_names_follow_the_enum_of_fault_hpp():
+    """_fault.pxi names the sites by their place in fault::Site; read the header's enum and
+    check each name's value there against its index, so that the two cannot drift apart."""
+    header = os.path.join(os.path.dirname(__file__), "..", "..", "cuda", "include", "inferctx", "fault.hpp")
+    with open(header, encoding="utf-8") as f:
+        text = f.read()
+    body = re.search(r"enum class Site : int \{(.*?)\};", text, re.S)
+    assert body is not None, "no `enum class Site : int { ... };` in fault.hpp"
+    values = {name: int(value) for name, value in re.findall(r"^\s*(\w+)\s*=\s*(\d+)\s*,", body.group(1), re.M)}
+    count = int(re.search(r"kSiteCount = (\d+);", text).group(1))
+    assert len(values) == count == len(SITES)
+    assert {name: _core._FAULT_SITES.index(name) for name in _core._FAULT_SITES} == values
+    assert set(SITES) == set(values)
 
 
 def each_failure(op, site, code, expected, check, *, setup=None, may_recover=False):
