@@ -1,5 +1,7 @@
 """The scripts under tools/, checked where they can be without a GPU: they parse, gpu-suite
-refuses a step it does not know, and its fuzz step runs every GPU fuzz suite there is."""
+refuses a step it does not know, its fuzz step runs every GPU fuzz suite there is, and the
+commands the docs give for gpu-suite and bench-run name steps, variables, files and benchmarks
+that exist."""
 
 from __future__ import annotations
 
@@ -53,3 +55,55 @@ def test_any_machine_the_fuzz_step_runs_every_gpu_fuzz_suite():
     assert sorted(listed) == suites
     for name in listed:  # -k matches substrings: no suite's name may contain another's
         assert [s for s in suites if name in s] == [name], name
+
+
+def _documented_commands(script):
+    """Each command in backquotes in README.md and docs/*.md that runs tools/`script`: the
+    variables it sets and the words after the script's name."""
+    found = []
+    for page in [TOP / "README.md", *sorted((TOP / "docs").glob("*.md"))]:
+        for text in re.findall(r"`([^`]*tools/%s\b[^`]*)`" % re.escape(script), page.read_text()):
+            before, after = text.split(f"tools/{script}", 1)
+            env = dict(re.findall(r'([A-Z][A-Z0-9_]*)=("[^"]*"|\S+)', before))
+            found.append((page.name, {k: v.strip('"') for k, v in env.items()}, after.split()))
+    return found
+
+
+def _gpu_suite_steps():
+    script = (TOP / "tools" / "gpu-suite").read_text()
+    return set(re.findall(r"^    ([a-z]+)\)$", script, re.M))
+
+
+def test_any_machine_the_steps_and_variables_the_docs_give_gpu_suite_exist():
+    """A documented gpu-suite command names only steps the script has and sets only variables
+    that the scripts or the tests read; its suites, files and executables exist."""
+    steps = _gpu_suite_steps()
+    assert {"build", "tests", "faults", "sanitize", "pysanitize", "fuzz", "bench"} <= steps
+    scripts = "".join((TOP / "tools" / s).read_text() for s in BASH_SCRIPTS)
+    tests = "".join(p.read_text() for p in (TOP / "tests" / "python").glob("*.py"))
+    commands = _documented_commands("gpu-suite")
+    assert len(commands) >= 5, commands
+    for page, env, words in commands:
+        assert set(words) <= steps | {"..."}, (page, words)
+        for name, value in env.items():
+            is_read = "${%s" % name in scripts or f'"{name}"' in tests  # ${NAME...} or os.environ["NAME"]
+            assert is_read, f"{page}: {name} is read by no script under tools/ and no test"
+            if name == "FUZZ_SUITES" and value != "SUITE":
+                assert set(value.split()) <= set(_default_fuzz_suites()), (page, value)
+            if name == "SANITIZE_TESTS":
+                for exe in value.split():
+                    stem = pathlib.Path(exe).name
+                    assert exe == f"build/ctest/tests/cpp/{stem}", (page, exe)
+                    assert list((TOP / "tests" / "cpp").glob(stem + ".c*")), (page, exe)
+            if name == "PYSANITIZE_TESTS" and value != "...":
+                for f in value.split():
+                    assert (TOP / f).is_file(), (page, f)
+
+
+def test_any_machine_the_benchmarks_the_docs_give_bench_run_exist():
+    commands = _documented_commands("bench-run")
+    assert len(commands) >= 2, commands
+    for page, _, words in commands:
+        assert words, (page, "tools/bench-run with no benchmark")
+        for name in (w for w in words if w != "NAME..."):  # NAME...: the usage line
+            assert (TOP / "bench" / f"{name}.py").is_file(), (page, name)
