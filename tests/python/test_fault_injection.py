@@ -33,7 +33,7 @@ COMPILED_IN = _core._fault_compiled_in()
 needs_hook = pytest.mark.skipif(
     not COMPILED_IN, reason="needs a build with -DINFERCTX_FAULT_INJECTION=ON (tools/gpu-suite faults)")
 
-SITES = ("device_alloc", "pinned_alloc", "virtual_memory", "event", "stream", "cublas")
+SITES = _core._FAULT_SITES  # fault::Site's names, checked against fault.hpp on any machine
 # The code each site's calls return for "out of memory", and one for another failure:
 # cudaErrorMemoryAllocation / cudaErrorUnknown, CUDA_ERROR_OUT_OF_MEMORY / CUDA_ERROR_UNKNOWN,
 # CUBLAS_STATUS_ALLOC_FAILED / CUBLAS_STATUS_EXECUTION_FAILED.
