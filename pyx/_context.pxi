@@ -88,9 +88,11 @@ cdef class InferenceContext:
     cdef object _adopted
     cdef object __weakref__
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError("use InferenceContext.instance(device=None): there is one context per "
-                        "device")
+    def __cinit__(self, *args, **kwargs):
+        # InferenceContext.__new__(InferenceContext) from Python would have no C++ context.
+        if kwargs or len(args) != 1 or args[0] is not _MAKE:
+            raise TypeError("use InferenceContext.instance(device=None): there is one context "
+                            "per device")
 
     @classmethod
     def instance(cls, device=None):

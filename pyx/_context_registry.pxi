@@ -59,7 +59,7 @@ cdef InferenceContext _create_context(int device):
     if found is not None:
         return <InferenceContext>found
     cls = InferenceContext if _context_class is None else _context_class
-    cdef InferenceContext ctx = cls.__new__(cls)
+    cdef InferenceContext ctx = cls.__new__(cls, _MAKE)
     ctx._owner = owner
     ctx._c = owner.get()
     ctx.device = d

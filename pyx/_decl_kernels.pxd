@@ -12,6 +12,8 @@ cdef extern from "inferctx/dropout.hpp" namespace "inferctx" nogil:
     void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p,
                          int mask_mode, uint64_t seed, uint64_t offset, cudaStream_t stream,
                          int device, int max_blocks) except +raise_inferctx_error
+    void check_dropout_forward(const void* x, const void* y, const void* mask, int64_t n,
+                               int dtype, double p, int mask_mode) except +raise_inferctx_error
     # The same drawing from a PhiloxSource (host values or a captured call site).
     void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p,
                          int mask_mode, const PhiloxSource& source, cudaStream_t stream,

@@ -2,7 +2,7 @@
 # (a DeviceView, a DLPack exporter, a __cuda_array_interface__ exporter) is reduced to a
 # pointer, a shape, strides in elements, a dtype and an owner that keeps the memory alive.
 
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport INT64_MAX, int64_t, uintptr_t
 
 from inferctx._decl_dlpack cimport (
     DLPACK_FLAG_BITMASK_READ_ONLY, DLTensor, kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged)
@@ -55,6 +55,33 @@ cdef bint _is_contiguous(tuple shape, tuple strides):
             return False
         expected *= n
     return True
+
+
+cdef int64_t _shape_size(tuple shape, int64_t itemsize, str argument) except -1:
+    """Elements of `shape`; ConfigError naming `argument` for a negative size, or for more bytes
+    than an int64 counts (a lying producer: the product would wrap, and a kernel would size its
+    result from the wrapped count)."""
+    cdef int64_t size = 1
+    cdef int64_t d
+    cdef bint zero = False
+    cdef bint too_big = False
+    for n in shape:
+        d = n
+        if d < 0:
+            raise _ConfigError(f"{argument}: shape {shape} has a negative size", argument=argument)
+        if d == 0:
+            zero = True
+        elif not too_big:
+            if size > INT64_MAX // d:
+                too_big = True
+            else:
+                size *= d
+    if zero:
+        return 0
+    if too_big or size > INT64_MAX // itemsize:
+        raise _ConfigError(f"{argument}: shape {shape} of {itemsize}-byte items is more than "
+                           f"2**63 - 1 bytes", argument=argument)
+    return size
 
 
 cdef CudaArray _cuda_array(uintptr_t ptr, tuple shape, tuple strides, int dtype, int device,
@@ -150,6 +177,7 @@ cdef CudaArray _from_dlpack(object obj, str argument, uintptr_t stream):
     cdef int ndim = tensor.ndim
     cdef int i
     shape = tuple([tensor.shape[i] for i in range(ndim)])
+    _shape_size(shape, _DTYPE_ITEMSIZE[<int>dtype], argument)
     if tensor.strides == NULL:  # allowed before DLPack 1.2: C-contiguous
         strides = _contiguous_strides(shape)
     else:
@@ -179,6 +207,7 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
                            f"(little-endian {', '.join(_DTYPE_NAMES)})", argument=argument)
     cdef int64_t itemsize = _DTYPE_ITEMSIZE[<int>dtype]
     shape = _interface_ints(obj, argument, "shape", interface["shape"], False)
+    _shape_size(shape, itemsize, argument)
     data = interface["data"]
     if not isinstance(data, tuple) or len(data) != 2:
         _bad_interface(obj, argument, f"'data' is {data!r}; the interface gives (pointer, read_only)")

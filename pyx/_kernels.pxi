@@ -137,7 +137,8 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
         if done is not None:
             return done
     cdef double prob = _probability_arg(p)
-    if mask not in _MASK_MODES:
+    # (a list or dict would make the lookup raise TypeError: unhashable)
+    if not (mask is None or isinstance(mask, str)) or mask not in _MASK_MODES:
         raise _ConfigError(f"mask: got {mask!r}; valid: 'bits' (default), 'bytes' or None",
                            argument="mask")
     cdef int mode = _MASK_MODES[mask]
