@@ -86,6 +86,11 @@ cdef class InferenceContext:
     cdef Stream _own_stream_obj
     cdef Stream _comm_stream_obj
     cdef object _adopted
+    # gen_workspace's compiled and Python halves (the plan made, then the layout and plan adopted
+    # for the view accessors) under one lock, so that concurrent calls cannot interleave them;
+    # use_stream's C++ stream and the Python object it keeps alive likewise.
+    cdef readonly object _workspace_lock
+    cdef object _stream_lock
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -414,21 +419,32 @@ cdef class InferenceContext:
         cdef uintptr_t handle = 0
         if stream is not None:
             handle = _checked_stream(stream, self.device, "stream")
-        with nogil:
-            self._c.use_stream(<cudaStream_t>handle)
-        self._adopted = stream
+        with self._stream_lock:
+            with nogil:
+                self._c.use_stream(<cudaStream_t>handle)
+            self._adopted = stream
 
     def sync_comp(self):
-        """The comm stream waits (on the GPU) for the work queued so far on ``ctx.stream``."""
+        """The comm stream waits (on the GPU) for the work queued so far on ``ctx.stream``.
+
+        In a program that imported both torch and CuPy, and adopted no stream, also for the
+        work on CuPy's current stream (where a CuPy caller's kernels ran)."""
         cdef uintptr_t compute = _ctx_stream(self)
+        cdef uintptr_t cupy_stream = _cupy_stream_too(self, compute)
         with nogil:
             self._c.sync_comp(<cudaStream_t>compute)
+            if cupy_stream != 0:
+                self._c.sync_comp(<cudaStream_t>cupy_stream)
 
     def sync_comm(self):
-        """``ctx.stream`` waits (on the GPU) for the work queued so far on the comm stream."""
+        """``ctx.stream`` waits (on the GPU) for the work queued so far on the comm stream; with
+        torch and CuPy both imported and no stream adopted, CuPy's current stream waits too."""
         cdef uintptr_t compute = _ctx_stream(self)
+        cdef uintptr_t cupy_stream = _cupy_stream_too(self, compute)
         with nogil:
             self._c.sync_comm(<cudaStream_t>compute)
+            if cupy_stream != 0:
+                self._c.sync_comm(<cudaStream_t>cupy_stream)
 
     @property
     def cublas_handle(self):

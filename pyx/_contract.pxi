@@ -9,7 +9,9 @@
 # - ctx.stream is the stream use_stream() adopted, or else DeepSpeed's "current stream": torch's
 #   current stream of the context's device once torch is imported, else CuPy's once CuPy is
 #   imported, else the context's own stream. So "a kernel, then sync_comp(), then work on
-#   comm_stream" is ordered without a use_stream call.
+#   comm_stream" is ordered without a use_stream call; with torch and CuPy both imported (and
+#   no stream adopted) sync_comp / sync_comm also order CuPy's current stream, where a CuPy
+#   caller's kernels ran.
 # - Ordering. The caller's streams are the current streams of the operands' packages (and
 #   ctx.stream for package-less operands). Where one differs from the stream the work runs on,
 #   the work first waits for it (inputs are read after their producer's pending work, and out=
@@ -57,7 +59,6 @@ cdef int _refresh_packages() except -1:
     cdef Py_ssize_t modules = len(_sys.modules)
     if modules == _modules_seen:
         return 0
-    _modules_seen = modules
     if _torch_tensor is None:
         torch = _sys.modules.get("torch")
         if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "bfloat16"):
@@ -85,6 +86,8 @@ cdef int _refresh_packages() except -1:
         if cupy is not None and hasattr(cupy, "ndarray") and hasattr(cupy, "cuda"):
             _cupy = cupy
             _cupy_ndarray = cupy.ndarray
+    # Last: a thread that finds the count unchanged must find the types learned above.
+    _modules_seen = modules
     return 0
 
 
@@ -132,6 +135,16 @@ cdef uintptr_t _ctx_stream(InferenceContext ctx) except 0:
     return <uintptr_t>ctx._c.own_stream()
 
 
+cdef uintptr_t _cupy_stream_too(InferenceContext ctx, uintptr_t ctx_stream) except? 0:
+    """CuPy's current stream on ctx's device where torch's current stream is ctx.stream (torch
+    and CuPy both imported, no stream adopted) and the two differ; else 0. A CuPy caller's
+    kernels run on CuPy's stream, so sync_comp / sync_comm order that one too."""
+    if ctx._adopted is not None or _torch_tensor is None or _cupy_ndarray is None:
+        return 0
+    cdef uintptr_t s = _package_stream(PKG_CUPY, ctx.device)
+    return 0 if s == ctx_stream else s
+
+
 cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0:
     """The handle of a caller's ``stream=``: a stream of `device` that exists. ConfigError naming
     `argument` otherwise, before anything is launched."""
@@ -139,7 +152,14 @@ cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0
     cdef int on = -1
     cdef cudaError_t status
     if handle <= <uintptr_t>cudaStreamPerThread:
-        return handle  # the default streams of the current device: inferctx runs on ctx's
+        # The default streams of whichever device is current: inferctx runs them on ctx's. An
+        # object that says it is of another device (torch.cuda.default_stream(1)) is refused.
+        on = _declared_device(stream)
+        if on >= 0 and on != device:
+            raise _ConfigError(f"{argument}: is the default stream of cuda:{on} but the operands "
+                               f"are on cuda:{device}; pass a stream of cuda:{device}",
+                               argument=argument)
+        return handle
     if not isinstance(stream, Stream) and stream_was_destroyed(<cudaStream_t>handle):
         raise _ConfigError(
             f"{argument}: {_type_name(stream)} {handle:#x} is the handle of an inferctx.Stream that "
@@ -331,6 +351,10 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x")
         context = _context_of(device)
     elif isinstance(ctx, InferenceContext):
         context = <InferenceContext>ctx
+        if device != context.device:  # the operand's device: ctx is the one to blame
+            raise _ConfigError(f"ctx: the operands are on cuda:{device} but ctx is the context of "
+                               f"cuda:{context.device}; pass ctx=InferenceContext.instance({device}) "
+                               f"or leave ctx=None", argument="ctx")
     else:
         raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
                            f"None", argument="ctx")

@@ -50,17 +50,27 @@ cdef uintptr_t _stream_handle(object stream, str argument) except 0:
     return <uintptr_t>handle
 
 
-cdef int _stream_device(object stream, uintptr_t handle) except -2:
-    """The device of a stream-like object: what it says (torch .device_index, cupy
-    .device_id), the current device for the special handles, else -1 (CUDA is asked)."""
+cdef int _declared_device(object stream) except -2:
+    """The device a stream-like object says it is on (an inferctx.Stream's, torch's
+    .device_index, CuPy's .device_id), else -1."""
     if isinstance(stream, Stream):
         return (<Stream>stream)._device
-    if handle <= <uintptr_t>cudaStreamPerThread:
-        return _device_arg(None)
     for attribute in ("device_index", "device_id"):
         value = getattr(stream, attribute, None)
         if isinstance(value, int) and not PyBool_Check(value) and value >= 0:
             return value
+    return -1
+
+
+cdef int _stream_device(object stream, uintptr_t handle) except -2:
+    """The device of a stream-like object: what it says (torch .device_index, cupy
+    .device_id; torch.cuda.default_stream(1) is the legacy handle, of device 1), the current
+    device for the special handles, else -1 (CUDA is asked)."""
+    cdef int declared = _declared_device(stream)
+    if declared >= 0:
+        return declared
+    if handle <= <uintptr_t>cudaStreamPerThread:
+        return _device_arg(None)
     return -1
 
 

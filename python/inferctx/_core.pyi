@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Literal, Self
 
 from .planning import WorkspacePlan
@@ -133,6 +134,8 @@ class InferenceContext:
     @classmethod
     def instance(cls, device: int | None = None) -> Self: ...
     def _created(self, fallback_reason: str | None) -> None: ...
+    @property
+    def _workspace_lock(self) -> threading.Lock: ...
     def _gen_workspace(self, args: tuple[Any, ...], fields: dict[str, Any] | None
                        ) -> WorkspacePlan | _PlanMade | None: ...
     def _adopt_plan(self, plan: WorkspacePlan, made: _PlanMade) -> bool: ...

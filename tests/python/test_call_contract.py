@@ -295,6 +295,39 @@ def test_kernel_then_sync_comp_then_comm_stream_read(torch, ctx):
         assert s.item() == float((trial % 7 + 1) * (1 << 20)), trial
 
 
+def test_cupy_kernel_then_sync_comp_then_comm_stream_read_with_torch_imported(torch, cupy, ctx):
+    # torch is imported, so ctx.stream is torch's current stream (the legacy one here); the CuPy
+    # caller works on a non-blocking stream of its own, where its kernels run. sync_comp must
+    # order the comm stream after that stream too, and sync_comm that stream after comm.
+    cs = cupy.cuda.Stream(non_blocking=True)
+    comm = cupy.cuda.ExternalStream(ctx.comm_stream.handle)
+    n = 1 << 18
+    seen, back, alive = [], [], []
+    torch.cuda.synchronize()
+    with cs:
+        x = cupy.empty(n, dtype=cupy.float32)
+        for trial in range(TRIALS):
+            with torch.cuda.stream(torch.cuda.ExternalStream(cs.ptr)):
+                torch.cuda._sleep(SLEEP_CYCLES // 4)  # on `cs`, before the producer
+            x.fill(float(trial % 7 + 1))
+            y, _ = inferctx.dropout(x, 0.0, mask=None)  # on `cs`: CuPy's current stream
+            ctx.sync_comp()
+            with comm:
+                seen.append(y.sum())  # on the comm stream
+                z = cupy.empty(n, dtype=cupy.float32)
+                with torch.cuda.stream(torch.cuda.ExternalStream(comm.ptr)):
+                    torch.cuda._sleep(SLEEP_CYCLES // 4)
+                z.fill(float(trial % 5 + 1))  # written on comm late
+            ctx.sync_comm()
+            back.append(z.sum())  # on `cs`, after the comm stream's fill
+            alive.append((y, z))  # not freed while the other stream may still read them
+    cs.synchronize()
+    comm.synchronize()
+    for trial, (s, b) in enumerate(zip(seen, back)):
+        assert float(s) == float((trial % 7 + 1) * n), ("sync_comp", trial)
+        assert float(b) == float((trial % 5 + 1) * n), ("sync_comm", trial)
+
+
 # ---- result types ----------------------------------------------------------------------------
 
 def test_torch_in_torch_out(torch, ctx):
@@ -485,6 +518,29 @@ def test_stream_of_another_device_is_refused(torch, ctx):
     with pytest.raises(ConfigError) as info:
         inferctx.dropout(x, 0.5, stream=other)
     assert info.value.argument == "stream" and "cuda:1" in str(info.value)
+    # Device 1's default stream is the legacy handle, which names no device by itself: the
+    # object says which.
+    before = ctx.rng_state
+    for default_of_1 in (torch.cuda.default_stream(1), inferctx.Stream(torch.cuda.default_stream(1))):
+        with pytest.raises(ConfigError) as info:
+            inferctx.dropout(x, 0.5, stream=default_of_1)
+        assert info.value.argument == "stream" and "cuda:1" in str(info.value)
+        with pytest.raises(ConfigError) as info:
+            inferctx.gemm(torch.ones(4, 4, device="cuda:0"), torch.ones(4, 4, device="cuda:0"),
+                          stream=default_of_1)
+        assert info.value.argument == "stream" and "cuda:1" in str(info.value)
+    assert ctx.rng_state == before  # nothing was launched
+    assert inferctx.Stream(torch.cuda.default_stream(1)).device == 1
+    # Operands on cuda:1 with the context of cuda:0: ctx is what is wrong, for every kernel.
+    x1 = torch.ones(64, device="cuda:1")
+    for call in (lambda: inferctx.dropout(x1, 0.5, ctx=ctx),
+                 lambda: inferctx.dropout(x1, 0.5, ctx=ctx, stream=torch.cuda.Stream(1)),
+                 lambda: inferctx.apply_mask(x1, torch.ones(2, dtype=torch.int32, device="cuda:1"), 0.5,
+                                             ctx=ctx),
+                 lambda: inferctx.gemm(x1.view(8, 8), x1.view(8, 8), ctx=ctx)):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == "ctx" and "cuda:1" in str(info.value), info.value
 
 
 # ---- the compiled torch paths give what the general path gives ------------------------------------
