@@ -68,19 +68,22 @@ class WorkspacePlan:
 
     __slots__ = ("_fields", "_result", "_notes", "shape", "regions")
 
-    def __init__(self, fields: dict[str, Any], result: dict[str, Any], notes: dict[str, str] | None = None) -> None:
+    def __init__(self, fields: dict[str, Any], result: dict[str, Any], notes: dict[str, str] | None = None,
+                 shape: ModelShape | None = None) -> None:
         self._fields = dict(fields)
         self._result = dict(result)
         self._notes = dict(notes or {})
-        self.shape = ModelShape(fields["num_layers"], fields["num_heads"], fields["hidden_dim"],
-                                fields["num_kv_heads"] or fields["num_heads"],
-                                head_dim=fields["head_dim"] or None)
+        # The model as planned, num_params included; rebuilt from the request when not given
+        # (the request carries no parameter count).
+        self.shape = shape if shape is not None else ModelShape(
+            fields["num_layers"], fields["num_heads"], fields["hidden_dim"],
+            fields["num_kv_heads"] or fields["num_heads"], head_dim=fields["head_dim"] or None)
         self.regions = Regions(self._result, self.shape.num_layers)
 
     @classmethod
     def _from_result(cls, fields: dict[str, Any], result: dict[str, Any],
-                     notes: dict[str, str] | None = None) -> WorkspacePlan:
-        return cls(fields, result, notes)
+                     notes: dict[str, str] | None = None, shape: ModelShape | None = None) -> WorkspacePlan:
+        return cls(fields, result, notes, shape)
 
     # -- the request -------------------------------------------------------------------
     @property

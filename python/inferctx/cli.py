@@ -14,7 +14,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NoReturn
 
 from . import __version__, presets
@@ -136,6 +136,7 @@ def _float(text: str, flag: str) -> float:
 
 
 _MAX_GIB = INT64_MAX / GIB
+_ONE_BYTE_GIB = f"{1 / GIB:.3g}"
 
 
 def _gib(text: str | None, flag: str, *, zero_ok: bool = False) -> int | None:
@@ -148,7 +149,11 @@ def _gib(text: str | None, flag: str, *, zero_ok: bool = False) -> int | None:
                           f"of GiB{' (>= 0)' if zero_ok else ''}")
     if value >= _MAX_GIB:
         raise _UsageError(f"{flag}: got {_brief(text)}; it must be below {_MAX_GIB:,.0f} GiB (2**63 bytes)")
-    return int(value * GIB)
+    n = int(value * GIB)
+    if n == 0 and value > 0 and not zero_ok:
+        raise _UsageError(f"{flag}: got {_brief(text)}, under one byte; it must be at least {_ONE_BYTE_GIB} GiB "
+                          f"(one byte)")
+    return n
 
 
 # -- planner names in the command's terms --------------------------------------------------
@@ -158,6 +163,7 @@ _FLAGS = {
     "min_out_tokens": "--min-tokens", "mp_size": "--mp-size", "rank": "--rank", "dtype": "--dtype",
     "policy": "--policy", "external_cache": "--external-cache", "preset": "--preset", "gpu": "--gpu",
     "memory_fraction": "--memory-fraction", "memory_limit_bytes": "--memory-limit-gb",
+    "memory_limit": "--memory-limit-gb",
     "reserve_bytes": "--reserve-gb", "weights_bytes": "--weights-gb", "free_bytes": "--free-gb",
     "total_bytes": "--total-gb", "device": "--device",
 }
@@ -165,10 +171,20 @@ _SHAPE_FLAGS = {"num_layers": "--layers", "num_heads": "--heads", "hidden_dim": 
                 "num_kv_heads": "--kv-heads", "head_dim": "--head-dim"}
 
 
-def _cli_terms(message: str, explicit_shape: bool) -> str:
+def _given_shape_names(args: argparse.Namespace) -> set[str]:
+    """The shape's keywords that flags of the command gave: all without --preset (the figures
+    are the user's), else only those overridden (--kv-heads, --head-dim); the preset's others
+    keep their keyword names."""
+    if args.preset is None:
+        return set(_SHAPE_FLAGS)
+    return {name for name, given in (("num_kv_heads", args.kv_heads), ("head_dim", args.head_dim))
+            if given is not None}
+
+
+def _cli_terms(message: str, shape_names: Collection[str] = ()) -> str:
+    """A planner message with the keywords of the flags given replaced by those flags."""
     names = dict(_FLAGS)
-    if explicit_shape:
-        names.update(_SHAPE_FLAGS)
+    names.update({k: v for k, v in _SHAPE_FLAGS.items() if k in shape_names})
     # Keyword names with an underscore are replaced wherever they appear; one-word names (dtype,
     # rank, preset, ...) only where they name an argument ("rank: ...", "rank=2"), not in prose.
     words = sorted(names, key=len, reverse=True)
@@ -234,8 +250,10 @@ def _memory(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         free = _gib(args.free_gb, "--free-gb", zero_ok=True)
         total = _gib(args.total_gb, "--total-gb") if args.total_gb is not None else free
         assert free is not None and total is not None
-        if total == 0:
-            raise _UsageError("--free-gb: got 0 without --total-gb; give --total-gb too (a positive number of GiB)")
+        if total == 0:  # only without --total-gb, which refuses 0
+            under = ", under one byte," if float(args.free_gb) > 0 else ""
+            raise _UsageError(f"--free-gb: got {_brief(args.free_gb)}{under} and --total-gb, not given, defaults "
+                              f"to it; give --total-gb too (a positive number of GiB)")
         if free > total:
             raise _UsageError(f"--free-gb: got {args.free_gb}; it must be at most --total-gb {args.total_gb}")
         return {"free_bytes": free, "total_bytes": total}, f"{human_bytes(free)} free"
@@ -299,11 +317,16 @@ def _check_plot(path: str) -> None:
         from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         raise _UsageError("--plot needs matplotlib: pip install 'inferctx[plot]'") from None
+    if os.path.isdir(path):
+        raise _UsageError(f"--plot: {_brief(path)} is a folder; give a file name, e.g. "
+                          f"{_brief(os.path.join(path, 'sweep.png'))}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise _UsageError(f"--plot: the folder {_brief(folder)} does not exist")
     if not os.access(folder, os.W_OK):
         raise _UsageError(f"--plot: the folder {_brief(folder)} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise _UsageError(f"--plot: {_brief(path)} exists and is not writable")
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     kinds = Figure().canvas.get_supported_filetypes()
     if ext not in kinds:
@@ -333,6 +356,8 @@ def _sweep(shape: ModelShape, kw: dict[str, Any], n: int, as_json: bool, plot: s
             print(f"{b:>6}{t:>12}{human_bytes(w):>14}  {why}")
     if plot:
         _plot(rows, plot, kw, names)
+        # stdout holds the JSON document alone; the note goes beside it, as errors do
+        print(f"wrote {plot}", file=sys.stderr if as_json else sys.stdout)
 
 
 def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], names: dict[str, str]) -> None:
@@ -349,9 +374,12 @@ def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], 
                  f"(policy {kw['policy']})")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    print(f"wrote {path}")
+    try:
+        fig.savefig(path)
+    except OSError as exc:  # what _check_plot could not foresee: a full disk, a file made meanwhile
+        raise _UsageError(f"--plot: could not write {_brief(path)}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
 
 
 def _print_plan(p: WorkspacePlan, as_json: bool, extra: dict[str, Any] | None = None, line: str = "") -> None:
@@ -361,6 +389,88 @@ def _print_plan(p: WorkspacePlan, as_json: bool, extra: dict[str, Any] | None = 
         if line:
             print(line)
         print(p)
+
+
+def _without(kw: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in kw.items() if k != key}
+
+
+# The answers' misses, in the flags given (their planner requests are not the user's: a request
+# forced to hold every token would blame --min-tokens, and its hints would be about it).
+
+_TOKEN_FLAGS = (("--prompt-len", "prompt_len"), ("--min-tokens", "min_out_tokens"))
+
+
+def _budget(p: WorkspacePlan, fraction: float | None) -> str:
+    """A plan's budget and what set it, in the command's terms."""
+    free = f"free {human_bytes(p.planned_free_bytes)}" + (" after the weights" if p.weights_bytes else "")
+    why = {"reserve": f"{free} - reserve {human_bytes(p.reserve_bytes)}",
+           "memory_limit": "--memory-limit-gb",
+           "memory_fraction": f"--memory-fraction {fraction} of {free}"}
+    return f"a budget of {human_bytes(p.budget_bytes)} ({why.get(p.budget_limit, p.budget_limit)})"
+
+
+def _bytes_for(shape: ModelShape, kw: dict[str, Any], tokens: int) -> str:
+    """What `tokens` tokens need under kw's request, as the planner counts it."""
+    try:
+        plan_workspace(shape, **{**kw, "max_out_tokens": tokens, "min_out_tokens": tokens})
+    except WorkspaceOOMError as exc:
+        if exc.requested_bytes is not None:
+            return human_bytes(exc.requested_bytes)
+    except ConfigError:  # the byte count overflows
+        pass
+    return "more than 2**63 bytes"
+
+
+def _first_fit_prefixed(answer: str, shape: ModelShape, kw: dict[str, Any]) -> None:
+    """When not even the smallest request fits: the planner's own reason (memory, weights) and hints."""
+    try:
+        plan_workspace(shape, **kw)
+    except WorkspaceOOMError as exc:
+        raise WorkspaceOOMError(f"{answer}: {exc.message}", requested_bytes=exc.requested_bytes,
+                                free_bytes=exc.free_bytes, total_bytes=exc.total_bytes,
+                                budget_bytes=exc.budget_bytes, max_batch_size=exc.max_batch_size,
+                                max_out_tokens=exc.max_out_tokens) from None
+
+
+def _no_batch_holds_all(shape: ModelShape, kw: dict[str, Any]) -> NoReturn:
+    """--max-batch found none: what a batch of 1 holds, and the --max-tokens that it holds in full."""
+    tokens = kw["max_out_tokens"]
+    one = {**kw, "batch_size": 1}
+    most = max_out_tokens_for(shape, **{**_without(one, "max_out_tokens"), "prompt_len": 1, "min_out_tokens": 1})
+    if most == 0:
+        _first_fit_prefixed("--max-batch: not even a batch of 1 fits", shape, one)
+    fit = plan_workspace(shape, **{**one, "max_out_tokens": max(most, 1), "prompt_len": 1, "min_out_tokens": 1})
+    also = [f"{flag} <= {most}" for flag, key in _TOKEN_FLAGS if kw[key] > most]  # --max-tokens >= both
+    advice = f"--max-tokens <= {most}" + (f" with {' and '.join(also)}" if also else "")
+    raise WorkspaceOOMError(
+        f"--max-batch: not even a batch of 1 holds all --max-tokens={tokens} tokens: they need "
+        f"{_bytes_for(shape, one, tokens)}, and {_budget(fit, kw['memory_fraction'])} holds {most} at most; "
+        f"would fit: {advice}",
+        free_bytes=fit.free_bytes, total_bytes=fit.total_bytes, budget_bytes=fit.budget_bytes,
+        max_batch_size=None, max_out_tokens=most)
+
+
+def _batch_holds_too_few(shape: ModelShape, kw: dict[str, Any]) -> NoReturn:
+    """--most-tokens found none: the prompt (or --min-tokens) is more than the batch holds; what would fit."""
+    batch, need = kw["batch_size"], max(kw["prompt_len"], kw["min_out_tokens"])
+    at_need = {**kw, "max_out_tokens": need}
+    most = max_out_tokens_for(shape, **{**_without(kw, "max_out_tokens"), "prompt_len": 1, "min_out_tokens": 1})
+    smaller = max_batch_size(shape, **_without(at_need, "batch_size")) if batch > 1 else 0
+    if most == 0 and smaller == 0:
+        _first_fit_prefixed("--most-tokens", shape, at_need)
+    fit = (plan_workspace(shape, **{**kw, "max_out_tokens": most, "prompt_len": 1, "min_out_tokens": 1})
+           if most else plan_workspace(shape, **{**at_need, "batch_size": max(smaller, 1)}))
+    over = [(flag, kw[key]) for flag, key in _TOKEN_FLAGS if kw[key] > most]
+    advice = [" and ".join(f"{flag} <= {most}" for flag, _ in over)] if most else []
+    advice += [f"--batch <= {smaller}"] if smaller else []
+    asked = " and ".join(f"{flag}={value}" for flag, value in over if value == need)
+    raise WorkspaceOOMError(
+        f"--most-tokens: a batch of {batch} cannot hold {asked} tokens: they need {_bytes_for(shape, kw, need)}, "
+        f"and {_budget(fit, kw['memory_fraction'])} holds {f'{most} at most' if most else 'none'}; would fit: "
+        f"{' or '.join(advice)}",
+        free_bytes=fit.free_bytes, total_bytes=fit.total_bytes, budget_bytes=fit.budget_bytes,
+        max_batch_size=smaller or None, max_out_tokens=None)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -387,18 +497,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _sweep(shape, {k: v for k, v in kw.items() if k != "batch_size"}, sweep, args.json, args.plot, names)
         return 0
     if args.max_batch:
-        b = max_batch_size(shape, **{k: v for k, v in kw.items() if k != "batch_size"})
-        if b == 0:  # the plan of batch 1 holding every token says by how much it misses
-            plan_workspace(shape, **{**kw, "batch_size": 1, "min_out_tokens": kw["max_out_tokens"]})
+        b = max_batch_size(shape, **_without(kw, "batch_size"))
+        if b == 0:
+            _no_batch_holds_all(shape, kw)
         p = plan_workspace(shape, **{**kw, "batch_size": b})
         _print_plan(p, args.json, {"max_batch_size": b},
                     f"largest batch holding all {kw['max_out_tokens']} tokens: {b}\n")
         return 0
     if args.most_tokens:
-        m = max_out_tokens_for(shape, **{k: v for k, v in kw.items() if k != "max_out_tokens"})
-        need = max(kw["prompt_len"], kw["min_out_tokens"])
+        m = max_out_tokens_for(shape, **_without(kw, "max_out_tokens"))
         if m == 0:
-            plan_workspace(shape, **{**kw, "max_out_tokens": need, "min_out_tokens": need})
+            _batch_holds_too_few(shape, kw)
         p = plan_workspace(shape, **{**kw, "max_out_tokens": m})
         _print_plan(p, args.json, {"max_out_tokens": m},
                     f"most tokens a batch of {kw['batch_size']} holds: {m}\n")
@@ -447,7 +556,7 @@ def _quiet_broken_pipe() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `inferctx` console script; returns the exit code."""
     parser = _parser()
-    explicit_shape = False
+    shape_names: set[str] = set()
     try:
         args = parser.parse_args(argv)
         if args.command is None:
@@ -458,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return run_demo(args)
         if args.command == "plan":
-            explicit_shape = args.preset is None
+            shape_names = _given_shape_names(args)
             return _cmd_plan(args)
         return _cmd_presets(args)
     except _UsageError as exc:
@@ -472,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"`inferctx presets`) or --free-gb N to plan without a GPU", file=sys.stderr)
         return 2
     except (ConfigError, WorkspaceOOMError) as exc:
-        print(f"inferctx: {type(exc).__name__}: {_cli_terms(str(exc), explicit_shape)}", file=sys.stderr)
+        print(f"inferctx: {type(exc).__name__}: {_cli_terms(str(exc), shape_names)}", file=sys.stderr)
         return 2
     except InferCtxError as exc:
         print(f"inferctx: {type(exc).__name__}: {_clip_words(str(exc))}", file=sys.stderr)

@@ -6,8 +6,8 @@ _model_shape.py, the plan and its regions in _workspace_plan.py, the argument co
 byte formatter in _plan_args.py.
 
 The planner is the compiled module inferctx._plan, pure host code: planning loads no CUDA
-library. Only reading a real device's memory (free_bytes and total_bytes omitted) loads the
-GPU module inferctx._core.
+library. Only reading a real device's memory (free_bytes or total_bytes omitted, and no gpu=)
+loads the GPU module inferctx._core.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
         raise ConfigError("device: give either device= (read its memory) or free_bytes= and total_bytes=, "
                           "not both", argument="device")
     read_device = free_bytes is None or total_bytes is None
+    weights_bytes = _as_weights(weights_bytes)
     if weights_bytes is None:
         weights_bytes = "auto" if preset is not None else 0
         if preset is not None and s.num_params is None:
@@ -117,10 +118,7 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
     if device is not None:
         _as_int(device, "device", minimum=0)
     _plan._check(fields)  # argument errors before any device is read
-    if isinstance(weights_bytes, str):
-        if weights_bytes != "auto":
-            raise ConfigError(f"weights_bytes: got {_brief(weights_bytes)}; valid: a byte count, 'auto' "
-                              f"(from the model's num_params) or None", argument="weights_bytes")
+    if weights_bytes == "auto":
         if s.num_params is None:
             raise ConfigError("weights_bytes: 'auto' needs the model's parameter count: use a preset or "
                               "ModelShape(..., num_params=N)", argument="weights_bytes")
@@ -132,14 +130,40 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
             dev_free, dev_total = _device_memory(device)
         except NoCudaDeviceError as exc:
             raise NoCudaDeviceError(
-                f"{exc.message}; free_bytes and total_bytes were not given, so they were to be read "
-                f"from the device. Pass free_bytes= and total_bytes= (or gpu=, a GPU preset) to plan "
-                f"without a GPU.", call=exc.call, code=exc.code, name=exc.name, device=exc.device
+                _joined(exc.message, _missing_figures(free_bytes is None, total_bytes is None)),
+                call=exc.call, code=exc.code, name=exc.name, device=exc.device
             ) from None
         fields["free_bytes"] = dev_free if free_bytes is None else fields["free_bytes"]
         fields["total_bytes"] = dev_total if total_bytes is None else fields["total_bytes"]
         notes.setdefault("memory", "device " + ("current" if device is None else str(device)) + ", read now")
     return fields, notes
+
+
+def _as_weights(value: object) -> int | str | None:
+    """weights_bytes as given: a byte count (the planner checks its range), 'auto' or None."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, (str, bool)) or not hasattr(type(value), "__index__"):
+        raise ConfigError(f"weights_bytes: got {_brief(value)} ({type(value).__name__}); valid: a byte count "
+                          f"(an integer >= 0), 'auto' (from the model's num_params) or None",
+                          argument="weights_bytes")
+    return _as_int(value, "weights_bytes")
+
+
+def _missing_figures(free_missing: bool, total_missing: bool) -> str:
+    """Which memory figures were to be read from the device, and what to pass instead."""
+    if free_missing and total_missing:
+        return ("free_bytes and total_bytes were not given, so they were to be read from the device: "
+                "pass both (or gpu=, a GPU preset) to plan without a GPU.")
+    given, missing = ("free_bytes", "total_bytes") if total_missing else ("total_bytes", "free_bytes")
+    return (f"{missing} was not given (only {given}), so it was to be read from the device: pass "
+            f"{missing}= as well (or gpu=, a GPU preset, instead of {given}=) to plan without a GPU.")
+
+
+def _joined(message: str, sentence: str) -> str:
+    """Two sentences, with one full stop between them."""
+    message = message.rstrip()
+    return f"{message} {sentence}" if message.endswith(".") else f"{message}. {sentence}"
 
 
 def _elem_size(fields: dict[str, Any]) -> int:
@@ -161,8 +185,8 @@ _PLAN_DOC_PARAMETERS = """
         ``'exact'`` (default): consistent units, GQA-aware, aligned regions. ``'deepspeed'``:
         DeepSpeed's numbers, quirks included.
     free_bytes, total_bytes : int, optional
-        Device memory to plan against, as free now. Omitted (with ``gpu``): read from
-        ``device`` now, which needs a GPU.
+        Device memory to plan against, as free now. With ``gpu`` they come from the GPU preset
+        (give neither); otherwise each one omitted is read from ``device`` now, which needs a GPU.
     gpu : str or GpuPreset, optional
         Plan against a GPU preset instead: free = total less the CUDA overhead
         (``presets.CUDA_OVERHEAD_MIB``), less the weights.
@@ -211,7 +235,7 @@ def plan_workspace(shape: ModelShape | str, *, batch_size: int, prompt_len: int,
                                 free_bytes=exc.free_bytes, total_bytes=exc.total_bytes,
                                 budget_bytes=exc.budget_bytes, max_batch_size=exc.max_batch_size,
                                 max_out_tokens=exc.max_out_tokens) from None
-    return WorkspacePlan(fields, result, notes)
+    return WorkspacePlan(fields, result, notes, shape=_as_shape(shape))
 
 
 def _mp_hint(shape: ModelShape, fields: dict[str, Any]) -> str | None:

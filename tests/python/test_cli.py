@@ -108,6 +108,62 @@ def test_max_batch_none_fits(capsys):
     assert code == 2 and "WorkspaceOOMError" in err and err.count("\n") == 1
 
 
+# Llama-2-7B, batch b, t tokens, fp16 (head 128, 32 heads, 32 layers): activations 10 x 32 x 128 x 2 = 81,920 B
+# and K + V of 64 x 32 x 128 x 2 = 524,288 B per token and sequence, attention scores 32 x t x 2 B per token
+# and sequence: b x t x (606,208 + 64 t) bytes, the scores rounded up to 256 bytes.
+def llama2_7b_bytes(b, t):
+    return b * t * 606_208 + -(-b * 64 * t * t // 256) * 256
+
+
+def test_max_batch_miss_names_max_tokens_and_the_largest_that_fits(capsys):
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--max-tokens", "100000",
+                         "--max-batch")
+    # budget at 1 GiB free: less the 100 MiB reserve, 924 MiB = 968,884,224 B; 100000 tokens need
+    # 700,620,800,000 B = 652.50 GiB; 1393 tokens need 968,636,672 B, 1394 need 969,421,056 B
+    budget = 924 * MIB
+    assert llama2_7b_bytes(1, 100_000) == 700_620_800_000
+    assert llama2_7b_bytes(1, 1393) <= budget < llama2_7b_bytes(1, 1394)
+    assert code == 2 and out == ""
+    assert err == ("inferctx: WorkspaceOOMError: --max-batch: not even a batch of 1 holds all --max-tokens=100000 "
+                   "tokens: they need 652.50 GiB, and a budget of 924.00 MiB (free 1.00 GiB - reserve 100.00 MiB) "
+                   "holds 1393 at most; would fit: --max-tokens <= 1393\n")
+    kw = dict(batch_size=1, prompt_len=1, free_bytes=GIB, total_bytes=GIB)
+    assert plan_workspace("llama-2-7b", max_out_tokens=1393, **kw).max_tokens == 1393
+    assert plan_workspace("llama-2-7b", max_out_tokens=1394, **kw).max_tokens < 1394
+    # a prompt longer than that must shrink too: at 512 MiB free (budget 412 MiB) a batch of 1 holds 665
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "0.5", "--prompt-len", "5000",
+                       "--max-tokens", "100000", "--max-batch")
+    assert llama2_7b_bytes(1, 665) <= 412 * MIB < llama2_7b_bytes(1, 666)
+    assert code == 2 and err.endswith("holds 665 at most; would fit: --max-tokens <= 665 with --prompt-len <= 665\n")
+    assert "--min-tokens" not in err and err.count("\n") == 1
+
+
+def test_most_tokens_miss_names_prompt_len_and_what_fits(capsys):
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--prompt-len", "5000",
+                         "--most-tokens")
+    assert llama2_7b_bytes(1, 5000) == 4_631_040_000  # 4.31 GiB
+    assert code == 2 and out == ""
+    assert err == ("inferctx: WorkspaceOOMError: --most-tokens: a batch of 1 cannot hold --prompt-len=5000 tokens: "
+                   "they need 4.31 GiB, and a budget of 924.00 MiB (free 1.00 GiB - reserve 100.00 MiB) holds 1393 "
+                   "at most; would fit: --prompt-len <= 1393\n")
+    # a batch of 64 holds 24 tokens (38,797,312 B per token plus 4096 B per token squared); 500 tokens fit 3
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--batch", "64",
+                       "--prompt-len", "500", "--most-tokens")
+    assert llama2_7b_bytes(64, 24) <= 924 * MIB < llama2_7b_bytes(64, 25)
+    assert llama2_7b_bytes(3, 500) <= 924 * MIB < llama2_7b_bytes(4, 500)
+    assert code == 2 and err == (
+        "inferctx: WorkspaceOOMError: --most-tokens: a batch of 64 cannot hold --prompt-len=500 tokens: they need "
+        "19.02 GiB, and a budget of 924.00 MiB (free 1.00 GiB - reserve 100.00 MiB) holds 24 at most; would fit: "
+        "--prompt-len <= 24 or --batch <= 3\n")
+    kw = dict(prompt_len=500, max_out_tokens=500, free_bytes=GIB, total_bytes=GIB)
+    assert plan_workspace("llama-2-7b", batch_size=3, **kw).max_tokens == 500
+    # --min-tokens given and above the prompt: it is the one named
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--prompt-len", "5000",
+                       "--min-tokens", "6000", "--most-tokens")
+    assert code == 2 and "cannot hold --min-tokens=6000 tokens" in err
+    assert err.endswith("would fit: --prompt-len <= 1393 and --min-tokens <= 1393\n")
+
+
 def test_sweep(capsys):
     code, out, _ = run(capsys, "plan", "--preset", "llama-2-70b", "--free-gb", "40", "--max-tokens", "100000",
                        "--sweep-batch", "4", "--json")
@@ -141,6 +197,92 @@ def test_plot_is_titled_with_model_gpu_and_dtype(capsys, tmp_path, monkeypatch):
                        "--sweep-batch", "3", "--plot", str(path))
     assert code == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {path}" in out
     assert titles == ["llama-2-7b on h200, bfloat16: max tokens by batch size (policy exact)"]
+
+
+class _FakeFigure:
+    """What the CLI uses of matplotlib's Figure; savefig writes through the file system."""
+
+    class canvas:  # noqa: N801 - matplotlib's attribute name
+        @staticmethod
+        def get_supported_filetypes():
+            return {"png": "Portable Network Graphics", "svg": "Scalable Vector Graphics"}
+
+    def tight_layout(self):
+        pass
+
+    def savefig(self, path):
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.fixture
+def fake_matplotlib(monkeypatch):
+    """A stand-in for matplotlib (an optional extra), enough for --plot: the checks, the drawing, savefig."""
+    import types
+
+    class Axes:
+        def __getattr__(self, name):  # plot, set_xlabel, set_ylabel, set_title, grid
+            return lambda *a, **k: None
+
+    mpl = types.ModuleType("matplotlib")
+    mpl.use = lambda backend: None
+    figure = types.ModuleType("matplotlib.figure")
+    figure.Figure = _FakeFigure
+    pyplot = types.ModuleType("matplotlib.pyplot")
+    pyplot.subplots = lambda **k: (_FakeFigure(), Axes())
+    pyplot.close = lambda fig: None
+    mpl.figure, mpl.pyplot = figure, pyplot
+    for name, module in (("matplotlib", mpl), ("matplotlib.figure", figure), ("matplotlib.pyplot", pyplot)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return _FakeFigure
+
+
+def test_plot_with_json_keeps_stdout_json(capsys, tmp_path, fake_matplotlib):
+    path = tmp_path / "curve.png"
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                         "--json", "--plot", str(path))
+    assert code == 0 and path.read_bytes() == b"\x89PNG\r\n\x1a\n"
+    assert [r["batch_size"] for r in json.loads(out)] == [1, 2]  # the whole of stdout is the document
+    assert err == f"wrote {path}\n"
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                         "--plot", str(path))
+    assert code == 0 and out.endswith(f"\nwrote {path}\n") and err == ""  # without --json, on stdout
+
+
+def test_plot_to_a_folder_is_refused_before_anything_is_printed(capsys, tmp_path, fake_matplotlib, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # short names: messages clip values past 60 characters
+    (tmp_path / "d.png").mkdir()
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "3",
+                         "--plot", "d.png")
+    assert code == 2 and out == ""
+    assert err == "inferctx: error: --plot: 'd.png' is a folder; give a file name, e.g. 'd.png/sweep.png'\n"
+
+
+def test_plot_to_a_read_only_file_is_refused(capsys, tmp_path, fake_matplotlib, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.png").write_bytes(b"")
+    (tmp_path / "old.png").chmod(0o444)
+    if os.access("old.png", os.W_OK):
+        pytest.skip("this user may write a read-only file (root)")
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "3",
+                         "--plot", "old.png")
+    assert code == 2 and out == "" and err == "inferctx: error: --plot: 'old.png' exists and is not writable\n"
+
+
+def test_plot_write_failure_is_one_line(capsys, tmp_path, fake_matplotlib, monkeypatch):
+    import errno
+
+    def full_disk(self, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(fake_matplotlib, "savefig", full_disk)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                         "--json", "--plot", "curve.png")
+    assert code == 2 and len(json.loads(out)) == 2  # the sweep was printed before the plot was drawn
+    assert err == "inferctx: error: --plot: could not write 'curve.png': No space left on device\n"
 
 
 def test_plot_without_matplotlib(capsys, tmp_path, monkeypatch):
@@ -237,6 +379,40 @@ def test_errors_are_one_line_exit_2(capsys, argv, needle):
     assert code == 2 and out == ""
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
     assert "_bytes" not in err  # keyword names are the Python API's, not the command's
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--kv-heads", "5"], "ConfigError: --kv-heads: num_heads=32 is not divisible by --kv-heads=5; each KV head "
+                          "must serve a whole group of query heads"),
+    (["--head-dim", str(2**63 - 1)], "ConfigError: --head-dim: --head-dim=9223372036854775807 makes the workspace "
+                                     "byte count overflow 64 bits (num_layers=32, --batch=1, --max-tokens=2048, "
+                                     "1 tokens); reduce --head-dim"),
+])
+def test_shape_flags_with_a_preset_are_named_as_flags(capsys, flags, message):
+    # the preset's own figures (num_heads, num_layers) keep their names: no flag gave them
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", *flags)
+    assert code == 2 and out == "" and err == f"inferctx: {message}\n"
+
+
+@pytest.mark.parametrize("flags,message", [
+    # 1e-10 GiB is 0.107 bytes
+    (["--free-gb", "8", "--memory-limit-gb", "0.0000000001"],
+     "error: --memory-limit-gb: got '0.0000000001', under one byte; it must be at least 9.31e-10 GiB (one byte)"),
+    (["--free-gb", "0", "--total-gb", "1e-12"],
+     "error: --total-gb: got '1e-12', under one byte; it must be at least 9.31e-10 GiB (one byte)"),
+    (["--free-gb", "1e-12"], "error: --free-gb: got '1e-12', under one byte, and --total-gb, not given, defaults to "
+                             "it; give --total-gb too (a positive number of GiB)"),
+    (["--free-gb", "0"], "error: --free-gb: got '0' and --total-gb, not given, defaults to it; give --total-gb too "
+                         "(a positive number of GiB)"),
+    # 0.0001 GiB = 107,374 B = 104.86 KiB of budget; one token needs 81,920 + 524,288 + 64 -> 256 B = 720.00 KiB
+    (["--free-gb", "8", "--memory-limit-gb", "0.0001"],
+     "WorkspaceOOMError: workspace does not fit: 0 tokens fit, fewer than --min-tokens=1; needs 720.00 KiB for "
+     "1 token, free 8.00 GiB of 8.00 GiB, budget 104.86 KiB (--memory-limit-gb); no smaller --batch or --max-tokens "
+     "fits: free memory, use a smaller dtype, --mp-size or --external-cache"),
+])
+def test_gib_flags_are_reported_in_gib_and_by_flag(capsys, flags, message):
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", *flags)
+    assert code == 2 and out == "" and err == f"inferctx: {message}\n"
 
 
 def test_no_gpu_message_speaks_cli(capsys):

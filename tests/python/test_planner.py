@@ -259,6 +259,67 @@ def test_memory_figures_come_from_the_device_or_are_required():
         assert "free_bytes" in str(info.value) and "without a GPU" in str(info.value)
 
 
+@pytest.mark.parametrize("given,message", [
+    (dict(free_bytes=8 * GIB), "total_bytes was not given (only free_bytes), so it was to be read from the device: "
+                               "pass total_bytes= as well (or gpu=, a GPU preset, instead of free_bytes=) to plan "
+                               "without a GPU."),
+    (dict(total_bytes=8 * GIB), "free_bytes was not given (only total_bytes), so it was to be read from the device: "
+                                "pass free_bytes= as well (or gpu=, a GPU preset, instead of total_bytes=) to plan "
+                                "without a GPU."),
+    (dict(), "free_bytes and total_bytes were not given, so they were to be read from the device: pass both "
+             "(or gpu=, a GPU preset) to plan without a GPU."),
+])
+def test_no_device_says_which_memory_figure_is_missing(monkeypatch, given, message):
+    from inferctx import planning
+
+    def no_device(device):
+        raise NoCudaDeviceError("no usable CUDA device or driver. Planning works without one.",
+                                call="cudaGetDeviceCount", code=100, name="cudaErrorNoDevice", device=None)
+
+    monkeypatch.setattr(planning, "_device_memory", no_device)
+    with pytest.raises(NoCudaDeviceError) as info:
+        plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, **given)
+    assert info.value.message == "no usable CUDA device or driver. Planning works without one. " + message
+    assert (info.value.call, info.value.name) == ("cudaGetDeviceCount", "cudaErrorNoDevice")
+
+
+def test_no_device_message_has_one_full_stop_between_sentences():
+    from conftest import gpu_available
+
+    if gpu_available()[0]:
+        pytest.skip("a GPU is present: the device is read")
+    with pytest.raises(NoCudaDeviceError) as info:
+        plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, free_bytes=8 * GIB)
+    text = info.value.message
+    assert ".;" not in text and ". total_bytes was not given (only free_bytes)" in text
+
+
+@pytest.mark.parametrize("weights", ["foo", "AUTO", 1.5, True, b"auto", [1]])
+def test_invalid_weights_bytes_lists_the_valid_values(weights):
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-2-7b", weights_bytes=weights, **BASE)
+    assert info.value.argument == "weights_bytes"
+    assert info.value.message == (f"weights_bytes: got {weights!r} ({type(weights).__name__}); valid: a byte count "
+                                  f"(an integer >= 0), 'auto' (from the model's num_params) or None")
+
+
+def test_memory_figures_are_documented_by_where_they_come_from():
+    doc = plan_workspace.__doc__
+    assert "Omitted (with ``gpu``)" not in doc
+    assert ("With ``gpu`` they come from the GPU preset\n        (give neither); otherwise each one omitted is "
+            "read from ``device`` now, which needs a GPU.") in doc
+
+
+def test_a_plan_keeps_the_shape_it_was_given():
+    p = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, gpu="h200")
+    assert p.shape == ModelShape.from_preset("llama-2-7b") and p.shape.num_params == 6_738_415_616
+    assert p.shape.weights_bytes() == 6_738_415_616 * 2 == p.weights_bytes
+    shape = ModelShape(28, 16, 3072, num_kv_heads=16, head_dim=256, num_params=8_537_680_896)
+    p = plan_workspace(shape, **BASE)
+    assert p.shape == shape and p.shape.weights_bytes("fp32", 2) == 8_537_680_896 * 4 // 2
+    assert pickle.loads(pickle.dumps(p)).shape == shape
+
+
 def test_argument_errors_come_before_the_device_is_read():
     # No memory figures: the device would be read, but the bad mp_size is reported first.
     with pytest.raises(ConfigError) as info:
