@@ -184,6 +184,17 @@ def test_concurrent_gen_workspace_calls_leave_one_plan_in_force(ctx):
 
 
 @pytest.mark.gpu
+def test_gen_workspace_plan_keeps_the_model_with_its_parameter_count(ctx):
+    from inferctx import ModelShape
+
+    model = ModelShape(4, 8, 512, num_kv_heads=2, num_params=123_456_789)
+    p = ctx.gen_workspace(model, batch_size=2, prompt_len=16, max_out_tokens=64, dtype="float16")
+    assert p.shape == model and p.shape.num_params == 123_456_789
+    assert p.shape.weights_bytes() == 2 * 123_456_789  # fp16
+    plan_small(ctx)
+
+
+@pytest.mark.gpu
 def test_gen_workspace_logs_the_plan_on_rank_0_only(ctx, caplog):
     with caplog.at_level(logging.INFO, logger="inferctx"):
         plan_small(ctx, batch_size=3)
