@@ -130,6 +130,8 @@ int64_t DevicePool::trim(int64_t keep_bytes) {
   // Blocks whose free is still queued (on the free stream or a durable stream) are in use until
   // their stream reaches it.
   INFERCTX_CUDA(cudaDeviceSynchronize(), device_);
+  free_deferred();
+  INFERCTX_CUDA(cudaStreamSynchronize(free_stream_), device_);
   INFERCTX_CUDA(cudaMemPoolTrimTo(pool_, static_cast<size_t>(keep_bytes)), device_);
   return pool_attribute(pool_, cudaMemPoolAttrReservedMemCurrent, device_);
 }
@@ -160,8 +162,21 @@ void DevicePool::note_durable(cudaStream_t stream) {
 }
 
 bool DevicePool::durable(cudaStream_t stream) const {
-  return stream == cudaStreamLegacy || stream == cudaStreamPerThread || stream == free_stream_ ||
+  // Not cudaStreamPerThread: that handle names the calling thread's stream, and the thread that
+  // lets a block go need not be the one that used it.
+  return stream == cudaStreamLegacy || stream == free_stream_ ||
          std::find(durable_.begin(), durable_.end(), stream) != durable_.end();
+}
+
+void DevicePool::free_deferred() noexcept {
+  std::vector<void*> blocks;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    blocks.swap(deferred_);
+  }
+  for (void* ptr : blocks) {
+    if (cudaFreeAsync(ptr, free_stream_) != cudaSuccess) cudaGetLastError();
+  }
 }
 
 void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use) noexcept {
@@ -203,7 +218,16 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
   }
   if (!ordered) {
     // A use on a stream that may be gone by now, or not known: wait for everything queued.
-    if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
+    if (cudaDeviceSynchronize() != cudaSuccess) {
+      // Refused (a stream of the device is being captured into a CUDA graph, or the context
+      // failed): nothing says the users are done, so the block is kept until a later device
+      // synchronisation succeeds (the next such free, or trim()).
+      cudaGetLastError();
+      std::lock_guard<std::mutex> lock(mutex_);
+      deferred_.push_back(ptr);
+      return;
+    }
+    free_deferred();  // everything queued so far is done, their users' work included
   }
   if (cudaFreeAsync(ptr, free_stream_) != cudaSuccess) {
     cudaGetLastError();

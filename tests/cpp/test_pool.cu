@@ -2,6 +2,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "check.hpp"
@@ -116,6 +118,34 @@ TEST_CASE("gpu: a block is not handed out again while a stream that used it is s
   cudaFree(total);
   cudaStreamDestroy(producer);
   cudaStreamDestroy(reader);
+}
+
+TEST_CASE("gpu: a use on a thread's per-thread default stream is waited for when another thread lets the block go") {
+  // cudaStreamPerThread names the calling thread's stream: the reader thread's stream is not the
+  // one the handle names on this thread, where the block is freed.
+  auto pool = DevicePool::of(kDevice);
+  const int n = 1 << 20;
+  unsigned long long* total = nullptr;
+  check_cuda(cudaMalloc(&total, sizeof *total), "cudaMalloc", kDevice);
+  check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+  std::shared_ptr<PooledAllocation> block = pool->allocate(int64_t{n} * 4, cudaStreamPerThread);
+  fill<<<(n + 255) / 256, 256, 0, cudaStreamPerThread>>>(static_cast<int*>(block->data()), n, 1);
+  check_cuda(cudaStreamSynchronize(cudaStreamPerThread), "cudaStreamSynchronize", kDevice);
+  std::thread reader([&] {
+    check_cuda(cudaSetDevice(kDevice), "cudaSetDevice", kDevice);
+    block->note_use(cudaStreamPerThread);  // the reader thread's own stream
+    spin<<<1, 1, 0, cudaStreamPerThread>>>(cycles_per_ms() * 50);
+    sum_into<<<(n + 255) / 256, 256, 0, cudaStreamPerThread>>>(static_cast<const int*>(block->data()), n, total);
+  });
+  reader.join();
+  block.reset();  // on this thread, while the reader's stream still has 50 ms to go
+  auto again = pool->allocate(int64_t{n} * 4, cudaStreamPerThread);
+  fill<<<(n + 255) / 256, 256, 0, cudaStreamPerThread>>>(static_cast<int*>(again->data()), n, 7);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
+  unsigned long long host = 0;
+  check_cuda(cudaMemcpy(&host, total, sizeof host, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+  CHECK_EQ(host, static_cast<unsigned long long>(n));  // the reader saw 1s, not the next user's 7s
+  cudaFree(total);
 }
 
 TEST_CASE("gpu: a use on an unknown stream, or on a stream that is not durable (destroyed since), frees after a device synchronisation") {

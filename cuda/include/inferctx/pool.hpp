@@ -10,9 +10,12 @@
 // export, a DLPack export with stream -1) is noted as such. When the last owner lets go, the
 // block is freed on the pool's own stream after that stream has waited (by events recorded
 // then) for every noted stream (or, used on one durable stream only, in that stream's order). An event can be recorded at that time only on a stream that
-// still exists, so this is done for the durable streams alone (the default streams, the pool's
-// own, and those note_durable names: the contexts' own and comm streams); a use on any other
-// stream, or an unknown use, is waited for by a device-wide synchronisation before the free.
+// still exists, so this is done for the durable streams alone (the legacy default stream, the
+// pool's own, and those note_durable names: the contexts' own and comm streams); a use on any
+// other stream (the per-thread default stream included: its handle names the freeing thread's),
+// or an unknown use, is waited for by a device-wide synchronisation before the free. Where that
+// synchronisation is refused (during a CUDA-graph capture), the block stays allocated until a
+// later one succeeds.
 // So memory is never handed out again while any stream that was seen using it may still do so.
 #pragma once
 
@@ -87,6 +90,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   void release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use) noexcept;
   cudaEvent_t take_event();           // from the free list (or a new one)
   void give_event(cudaEvent_t event) noexcept;
+  void free_deferred() noexcept;      // frees the blocks in deferred_ (after a device synchronisation)
 
   int device_ = 0;
   cudaMemPool_t pool_ = nullptr;
@@ -94,6 +98,9 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   mutable std::mutex mutex_;
   std::vector<cudaEvent_t> events_;
   std::vector<cudaStream_t> durable_;
+  // Blocks whose users could not be waited for when let go (the device synchronisation was
+  // refused); freed after the next one that succeeds.
+  std::vector<void*> deferred_;
   int64_t live_ = 0;
   bool durable(cudaStream_t stream) const;  // mutex_ held
 };
