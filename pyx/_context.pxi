@@ -8,8 +8,20 @@ from libcpp.utility cimport pair
 
 from inferctx._decl_gpu cimport (
     CppEvent, CppInferenceContext, DeviceAllocation, check_cuda, cudaError_t, cudaEventRecord,
-    cudaEvent_t, cudaGetDevice, cudaSetDevice, cudaStreamWaitEvent, cudaStream_t, cudaSuccess)
+    cudaEvent_t, cudaGetDevice, cudaGetLastError, cudaSetDevice, cudaStreamCaptureStatus,
+    cudaStreamCaptureStatusNone, cudaStreamIsCapturing, cudaStreamWaitEvent, cudaStream_t,
+    cudaSuccess)
 from inferctx._decl_planner cimport PlanRequest, WorkspacePlan
+
+
+cdef bint _capturing(cudaStream_t stream) noexcept nogil:
+    """Whether `stream` is being captured into a CUDA graph. The legacy stream, asked while a
+    blocking stream captures, answers with an error: taken as capturing (it cannot be joined)."""
+    cdef cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone
+    if cudaStreamIsCapturing(stream, &capture) != cudaSuccess:
+        cudaGetLastError()
+        return True
+    return capture != cudaStreamCaptureStatusNone
 
 
 cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t producer,
@@ -24,12 +36,28 @@ cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t p
         status = cudaSetDevice(device)
         if status != cudaSuccess:
             return status
-    status = cudaEventRecord(event, producer)
-    if status == cudaSuccess:
-        status = cudaStreamWaitEvent(consumer, event, 0)
+    if _capturing(producer) != _capturing(consumer):
+        # No dependency may cross a capture's boundary (cudaErrorStreamCaptureIsolation, which
+        # would invalidate the capture): the captured work is ordered by where its graph is
+        # launched, the outside work by what the caller queued before or after the capture.
+        status = cudaSuccess
+    else:
+        status = cudaEventRecord(event, producer)
+        if status == cudaSuccess:
+            status = cudaStreamWaitEvent(consumer, event, 0)
     if previous != device:
         cudaSetDevice(previous)
     return status
+
+
+cdef bint _released_now(InferenceContext ctx):
+    """ctx._c.released() without the GIL: it waits for the context's mutex, which a release or
+    retake holds while it copies and (un)maps, and other Python threads go on meanwhile (a host
+    callback queued before the release may need the GIL to finish)."""
+    cdef bint released
+    with nogil:
+        released = ctx._c.released()
+    return released
 
 
 cdef bint _same_arguments(tuple a, tuple b):
@@ -86,6 +114,7 @@ cdef class InferenceContext:
     cdef Stream _own_stream_obj
     cdef Stream _comm_stream_obj
     cdef object _adopted
+    cdef bint _own_stream_served  # ctx.stream was the own stream (no torch or CuPy imported yet)
     # gen_workspace's compiled and Python halves (the plan made, then the layout and plan adopted
     # for the view accessors) under one lock, so that concurrent calls cannot interleave them;
     # use_stream's C++ stream and the Python object it keeps alive likewise.
@@ -184,7 +213,9 @@ cdef class InferenceContext:
 
     cdef DeviceView _region(self, int64_t offset, int64_t nbytes, int dtype, str what):
         self._require_plan(what)
-        cdef shared_ptr[DeviceAllocation] ws = self._c.workspace()
+        cdef shared_ptr[DeviceAllocation] ws
+        with nogil:  # waits for mutex_, which a release holds while it copies and unmaps
+            ws = self._c.workspace()
         cdef int64_t n = nbytes // _DTYPE_ITEMSIZE[dtype]
         return _make_view(ws, offset, (n,), n, dtype, self)
 
@@ -229,7 +260,9 @@ cdef class InferenceContext:
         if l < 0 or l >= self._num_layers:
             raise _ConfigError(f"layer: got {l}; valid: 0..{self._num_layers - 1} (the plan's "
                                f"num_layers is {self._num_layers})", argument="layer")
-        cdef shared_ptr[DeviceAllocation] ws = self._c.workspace()
+        cdef shared_ptr[DeviceAllocation] ws
+        with nogil:
+            ws = self._c.workspace()
         cdef int64_t key = self._kv_offset + l * self._kv_layer_stride
         return (_make_view(ws, key, self._kv_shape, self._kv_size, self._dtype, self),
                 _make_view(ws, key + self._kv_value_offset, self._kv_shape, self._kv_size,
@@ -243,12 +276,15 @@ cdef class InferenceContext:
     @property
     def released(self):
         """True after release_workspace, until retake_workspace or gen_workspace."""
-        return self._c.released()
+        return _released_now(self)
 
     @property
     def views_alive(self):
         """Views of the workspace alive now (DeviceViews, DLPack capsules, arrays made from them)."""
-        return self._c.views_alive()
+        cdef int64_t n
+        with nogil:
+            n = self._c.views_alive()
+        return n
 
     @property
     def addresses_stable(self):
@@ -272,12 +308,18 @@ cdef class InferenceContext:
     def held_bytes(self):
         """Device memory the workspace holds now: at least ``workspace_bytes`` while held (a
         larger allocation kept for a smaller plan counts whole), 0 while released."""
-        return self._c.held_bytes()
+        cdef int64_t n
+        with nogil:
+            n = self._c.held_bytes()
+        return n
 
     @property
     def host_copy_bytes(self):
         """Page-locked host memory held for ``release_workspace(keep_contents=True)`` (0: none)."""
-        return self._c.host_copy_bytes()
+        cdef int64_t n
+        with nogil:
+            n = self._c.host_copy_bytes()
+        return n
 
     def release_workspace(self, force=False, *, keep_contents=False):
         """Gives the workspace's device memory back, keeping the plan.
@@ -481,7 +523,7 @@ cdef class InferenceContext:
     def __repr__(self):
         if self._plan is None:
             state = "no workspace"
-        elif self._c.released():
+        elif _released_now(self):
             state = f"workspace released ({self._plan.max_tokens} tokens planned)"
         else:
             state = f"workspace {self._workspace_bytes} bytes, {self._plan.max_tokens} tokens"

@@ -128,10 +128,16 @@ cdef uintptr_t _ctx_stream(InferenceContext ctx) except 0:
         return <uintptr_t>ctx._c.stream()
     if _torch_tensor is None or _cupy_ndarray is None:
         _refresh_packages()
-    if _torch_tensor is not None:
-        return _package_stream(PKG_TORCH, ctx.device)
-    if _cupy_ndarray is not None:
-        return _package_stream(PKG_CUPY, ctx.device)
+    cdef uintptr_t s
+    if _torch_tensor is not None or _cupy_ndarray is not None:
+        s = _package_stream(PKG_TORCH if _torch_tensor is not None else PKG_CUPY, ctx.device)
+        if ctx._own_stream_served:
+            # torch or CuPy was imported after ctx.stream was the context's own stream: what was
+            # queued there (kernels, copies, results still to be read) comes before the new one.
+            ctx._own_stream_served = False
+            ctx._order(<uintptr_t>ctx._c.own_stream(), s)
+        return s
+    ctx._own_stream_served = True
     return <uintptr_t>ctx._c.own_stream()
 
 

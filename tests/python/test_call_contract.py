@@ -328,6 +328,80 @@ def test_cupy_kernel_then_sync_comp_then_comm_stream_read_with_torch_imported(to
         assert float(b) == float((trial % 5 + 1) * n), ("sync_comm", trial)
 
 
+def test_a_call_joining_an_outside_stream_under_capture_is_captured_and_replays_right(torch, ctx):
+    # ctx.stream is an adopted stream; a torch caller captures a GEMM into a DeviceView out=, so
+    # the call joins ctx.stream (outside the capture) with torch's capturing stream. No edge may
+    # cross a capture's boundary: the joins are left out there, and the capture stays valid.
+    engine = inferctx.Stream()
+    ctx.use_stream(engine)
+    a = _ints(torch, (64, 48), 1, torch.float32)
+    b = _ints(torch, (48, 32), 2, torch.float32)
+    out = inferctx._core._empty(0, (64, 32), "float32")
+    inferctx.gemm(a, b, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    engine.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        r = inferctx.gemm(a, b, out=out)
+    assert r is out
+    for seed in range(3, 8):
+        a.copy_(_ints(torch, (64, 48), seed, torch.float32))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(torch.from_dlpack(out), a @ b), seed  # small integers: exact
+
+
+IMPORT_AFTER_WORK_SCRIPT = """
+import sys
+import types
+import torch
+
+# What the script uses of torch, used once first, so that no lazy import of torch's adds a module
+# later (inferctx looks for torch and CuPy again only when the number of modules changed).
+with torch.cuda.stream(torch.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)):
+    torch.cuda._sleep(1000)
+torch.from_dlpack(torch.ones(4, device="cuda")).fill_(1.0).sum()
+torch.cuda.synchronize()
+
+# inferctx first looks while sys.modules["torch"] is a stand-in without torch's types, so it
+# finds no torch until the number of modules changes: as if torch were imported only then.
+real = sys.modules["torch"]
+sys.modules["torch"] = types.ModuleType("torch")
+import inferctx
+from inferctx import _core
+
+ctx = inferctx.InferenceContext.instance(0)
+own = ctx.own_stream.handle
+assert ctx.stream.handle == own
+n = 1 << 22
+x = _core._empty(0, (n,), "float32")
+sys.modules["torch"] = real  # the same number of modules: inferctx does not look again
+with torch.cuda.stream(torch.cuda.ExternalStream(own)):
+    torch.cuda._sleep(100_000_000)  # ~50 ms on the context's own stream, before the work
+    torch.from_dlpack(x).fill_(1.0)
+y = x
+for _ in range(8):
+    y, _ = inferctx.dropout(y, 0.5, mask=None)  # on the own stream
+assert ctx.stream.handle == own, "inferctx saw torch too early: the test proves nothing"
+sys.modules["_inferctx_test_trigger"] = types.ModuleType("_inferctx_test_trigger")  # "import torch"
+early = torch.from_dlpack(y).sum()  # read on torch's current stream right away
+assert ctx.stream.handle != own
+torch.cuda.synchronize()
+late = torch.from_dlpack(y).sum()
+assert float(early) == float(late) and float(late) > 0, (float(early), float(late))
+print("ok")
+"""
+
+
+def test_work_queued_before_torch_is_imported_comes_before_torchs_stream():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", IMPORT_AFTER_WORK_SCRIPT], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], (run.stdout, run.stderr[-3000:])
+
+
 # ---- result types ----------------------------------------------------------------------------
 
 def test_torch_in_torch_out(torch, ctx):
