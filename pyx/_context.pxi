@@ -9,23 +9,26 @@ from libcpp.utility cimport pair
 from inferctx._decl_gpu cimport (
     CppEvent, CppInferenceContext, DeviceAllocation, check_cuda, cudaError_t, cudaEventRecord,
     cudaEvent_t, cudaGetDevice, cudaGetLastError, cudaSetDevice, cudaStreamCaptureStatus,
-    cudaStreamCaptureStatusNone, cudaStreamIsCapturing, cudaStreamWaitEvent, cudaStream_t,
+    cudaStreamCaptureStatusNone, cudaStreamGetCaptureInfo, cudaStreamWaitEvent, cudaStream_t,
     cudaSuccess)
 from inferctx._decl_planner cimport PlanRequest, WorkspacePlan
 
 
-cdef bint _capturing(cudaStream_t stream) noexcept nogil:
-    """Whether `stream` is being captured into a CUDA graph. The legacy stream, asked while a
-    blocking stream captures, answers with an error: taken as capturing (it cannot be joined)."""
+cdef unsigned long long _capture_id(cudaStream_t stream) noexcept nogil:
+    """0 for a stream that is not being captured into a CUDA graph, else its capture's id (never
+    0); -1 when CUDA will not say (the legacy stream asked while a blocking stream captures)."""
     cdef cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone
-    if cudaStreamIsCapturing(stream, &capture) != cudaSuccess:
+    cdef unsigned long long capture_id = 0
+    if cudaStreamGetCaptureInfo(stream, &capture, &capture_id) != cudaSuccess:
         cudaGetLastError()
-        return True
-    return capture != cudaStreamCaptureStatusNone
+        return <unsigned long long>-1
+    if capture == cudaStreamCaptureStatusNone:
+        return 0
+    return capture_id if capture_id != 0 else <unsigned long long>-1
 
 
 cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t producer,
-                                   cudaStream_t consumer) noexcept nogil:
+                                   cudaStream_t consumer, bint fork) noexcept nogil:
     # On `device`, which the special handles (legacy, per-thread) refer to; the caller's device
     # is restored.
     cdef int previous = -1
@@ -36,15 +39,19 @@ cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t p
         status = cudaSetDevice(device)
         if status != cudaSuccess:
             return status
-    if _capturing(producer) != _capturing(consumer):
-        # No dependency may cross a capture's boundary (cudaErrorStreamCaptureIsolation, which
-        # would invalidate the capture): the captured work is ordered by where its graph is
-        # launched, the outside work by what the caller queued before or after the capture.
-        status = cudaSuccess
-    else:
+    # Under CUDA-graph capture only some edges are allowed (anything else invalidates the
+    # capture): between streams of one capture; and, with `fork`, from a capturing stream to one
+    # that is not, which then joins the capture (CUDA's fork pattern: the caller joins it back
+    # once the work is queued). A capture never waits for work outside it: that work is ordered
+    # by where the graph is launched.
+    cdef unsigned long long unknown = <unsigned long long>-1
+    cdef unsigned long long p = _capture_id(producer)
+    cdef unsigned long long c = _capture_id(consumer)
+    if (p == c and p != unknown) or (fork and c == 0 and p != 0 and p != unknown):
         status = cudaEventRecord(event, producer)
         if status == cudaSuccess:
             status = cudaStreamWaitEvent(consumer, event, 0)
+    # else the edge cannot be made (see above): status stays cudaSuccess
     if previous != device:
         cudaSetDevice(previous)
     return status
@@ -504,8 +511,10 @@ cdef class InferenceContext:
         cdef int cc = self._c.compute_capability()
         return (cc // 10, cc % 10)
 
-    cdef int _order(self, uintptr_t producer, uintptr_t consumer) except -1:
-        """Makes `consumer` wait on the GPU for the work queued so far on `producer`."""
+    cdef int _order(self, uintptr_t producer, uintptr_t consumer, bint fork=False) except -1:
+        """Makes `consumer` wait on the GPU for the work queued so far on `producer`. Under
+        CUDA-graph capture, only where CUDA allows it (_record_then_wait); `fork` lets a stream
+        that is not capturing join a capturing `producer`, for a caller that joins it back."""
         if producer == consumer:
             return 0
         cdef cudaError_t status
@@ -513,7 +522,7 @@ cdef class InferenceContext:
         with nogil:
             self._handshake_lock.lock()
             status = _record_then_wait(self.device, event.handle(), <cudaStream_t>producer,
-                                       <cudaStream_t>consumer)
+                                       <cudaStream_t>consumer, fork)
             self._handshake_lock.unlock()
         if status != cudaSuccess:
             check_cuda(status, "cudaEventRecord + cudaStreamWaitEvent (stream handshake)",

@@ -143,12 +143,18 @@ cdef uintptr_t _ctx_stream(InferenceContext ctx) except 0:
 
 cdef uintptr_t _cupy_stream_too(InferenceContext ctx, uintptr_t ctx_stream) except? 0:
     """CuPy's current stream on ctx's device where torch's current stream is ctx.stream (torch
-    and CuPy both imported, no stream adopted) and the two differ; else 0. A CuPy caller's
-    kernels run on CuPy's stream, so sync_comp / sync_comm order that one too."""
+    and CuPy both imported, no stream adopted) and the two differ, neither being captured into
+    a CUDA graph; else 0. A CuPy caller's kernels run on CuPy's stream, so sync_comp / sync_comm
+    order that one too."""
     if ctx._adopted is not None or _torch_tensor is None or _cupy_ndarray is None:
         return 0
     cdef uintptr_t s = _package_stream(PKG_CUPY, ctx.device)
-    return 0 if s == ctx_stream else s
+    if s == ctx_stream:
+        return 0
+    with nogil:  # under CUDA-graph capture the extra join could cross a capture's boundary
+        if _capture_id(<cudaStream_t>s) != 0 or _capture_id(<cudaStream_t>ctx_stream) != 0:
+            s = 0
+    return s
 
 
 cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0:
@@ -388,7 +394,7 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x")
     call._joins = joins
     if joins is not None:
         for s in joins:
-            context._order(s, call.kernel)
+            context._order(s, call.kernel, True)  # finish() joins the kernel stream back
     return call
 
 

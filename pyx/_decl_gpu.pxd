@@ -48,6 +48,9 @@ cdef extern from "cuda_runtime_api.h" nogil:
         cudaStreamCaptureStatusActive
         cudaStreamCaptureStatusInvalidated
     cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status)
+    # The later arguments (graph, dependencies) keep their C++ defaults.
+    cudaError_t cudaStreamGetCaptureInfo(cudaStream_t stream, cudaStreamCaptureStatus* status,
+                                         unsigned long long* capture_id)
 
 
 cdef extern from "cublas_v2.h" nogil:

@@ -142,7 +142,7 @@ cdef CudaArray as_cuda_array(object obj, str argument, uintptr_t stream):
 
 cdef CudaArray _from_device_view(DeviceView view, uintptr_t stream):
     if stream != 0:
-        view._ctx._order(_ctx_stream(view._ctx), stream)
+        view._ctx._order(_ctx_stream(view._ctx), stream, True)  # as _begin_call's joins
     _note_use(view, stream)
     return _cuda_array(view._ptr, view._shape, _contiguous_strides(view._shape), view._dtype,
                        view._device, view, False)

@@ -205,7 +205,7 @@ cdef class DeviceView:
         cdef uintptr_t producer = _ctx_stream(self._ctx)
         cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
                                                                             "stream")
-        self._ctx._order(producer, on)
+        self._ctx._order(producer, on, True)  # joined back below
         _note_use(self, on)
         _copy(self._ptr, host._ptr, self._nbytes, on, self._device)
         host._track(self._device, on)

@@ -4,6 +4,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <thread>
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
@@ -129,8 +130,9 @@ int64_t DevicePool::trim(int64_t keep_bytes) {
   CurrentDeviceScope on(device_);
   // Blocks whose free is still queued (on the free stream or a durable stream) are in use until
   // their stream reaches it.
+  const uint64_t before = deferral_mark();
   INFERCTX_CUDA(cudaDeviceSynchronize(), device_);
-  free_deferred();
+  free_deferred(before);
   INFERCTX_CUDA(cudaStreamSynchronize(free_stream_), device_);
   INFERCTX_CUDA(cudaMemPoolTrimTo(pool_, static_cast<size_t>(keep_bytes)), device_);
   return pool_attribute(pool_, cudaMemPoolAttrReservedMemCurrent, device_);
@@ -162,29 +164,42 @@ void DevicePool::note_durable(cudaStream_t stream) {
 }
 
 bool DevicePool::durable(cudaStream_t stream) const {
-  // Not cudaStreamPerThread: that handle names the calling thread's stream, and the thread that
-  // lets a block go need not be the one that used it.
+  // cudaStreamPerThread is decided by the caller: that handle names the calling thread's
+  // stream, which is the user's only when the block is let go on the thread that used it.
   return stream == cudaStreamLegacy || stream == free_stream_ ||
          std::find(durable_.begin(), durable_.end(), stream) != durable_.end();
 }
 
-void DevicePool::free_deferred() noexcept {
+uint64_t DevicePool::deferral_mark() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return next_deferral_;
+}
+
+void DevicePool::free_deferred(uint64_t before) noexcept {
+  // Only blocks deferred before the synchronisation began: their users' work was queued by
+  // then, so it is done. One deferred meanwhile (by another thread) waits for the next one.
   std::vector<void*> blocks;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    blocks.swap(deferred_);
+    auto done = std::stable_partition(deferred_.begin(), deferred_.end(),
+                                      [&](const Deferred& d) { return d.mark >= before; });
+    for (auto it = done; it != deferred_.end(); ++it) blocks.push_back(it->ptr);
+    deferred_.erase(done, deferred_.end());
   }
   for (void* ptr : blocks) {
     if (cudaFreeAsync(ptr, free_stream_) != cudaSuccess) cudaGetLastError();
   }
 }
 
-void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use) noexcept {
+void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use,
+                         bool other_threads_per_thread_stream) noexcept {
   bool ordered = !unknown_use;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     --live_;
-    for (cudaStream_t user : users) ordered = ordered && durable(user);
+    for (cudaStream_t user : users) {
+      ordered = ordered && (user == cudaStreamPerThread ? !other_threads_per_thread_stream : durable(user));
+    }
   }
   if (ptr == nullptr) return;
   CurrentDeviceScope on(device_, std::nothrow);
@@ -218,16 +233,19 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
   }
   if (!ordered) {
     // A use on a stream that may be gone by now, or not known: wait for everything queued.
+    const uint64_t before = deferral_mark();
     if (cudaDeviceSynchronize() != cudaSuccess) {
-      // Refused (a stream of the device is being captured into a CUDA graph, or the context
+      // Refused (another thread captures into a CUDA graph in global mode, or the context
       // failed): nothing says the users are done, so the block is kept until a later device
-      // synchronisation succeeds (the next such free, or trim()).
+      // synchronisation succeeds (the next such free, or trim()). (A capture on this thread is
+      // invalidated by the attempt; a block used on a stream that is not durable is not to be
+      // let go inside one.)
       cudaGetLastError();
       std::lock_guard<std::mutex> lock(mutex_);
-      deferred_.push_back(ptr);
+      deferred_.push_back({ptr, next_deferral_++});
       return;
     }
-    free_deferred();  // everything queued so far is done, their users' work included
+    free_deferred(before);
   }
   if (cudaFreeAsync(ptr, free_stream_) != cudaSuccess) {
     cudaGetLastError();
@@ -240,17 +258,20 @@ PooledAllocation::PooledAllocation(std::shared_ptr<DevicePool> pool, int device,
                                    cudaStream_t first)
     : DeviceAllocation(Borrowed{}, device, ptr, bytes), pool_(std::move(pool)) {
   users_.push_back(first);
+  if (first == cudaStreamPerThread) per_thread_users_.push_back(std::this_thread::get_id());
 }
 
 PooledAllocation::~PooledAllocation() {
   std::vector<cudaStream_t> users;
   bool unknown = false;
+  bool other_threads = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     users.swap(users_);
     unknown = unknown_use_;
+    for (std::thread::id id : per_thread_users_) other_threads = other_threads || id != std::this_thread::get_id();
   }
-  pool_->release(ptr_, users, unknown);
+  pool_->release(ptr_, users, unknown, other_threads);
   ptr_ = nullptr;
 }
 
@@ -258,6 +279,12 @@ void PooledAllocation::note_use(cudaStream_t stream) {
   require_explicit_stream(stream, "PooledAllocation::note_use");
   std::lock_guard<std::mutex> lock(mutex_);
   if (std::find(users_.begin(), users_.end(), stream) == users_.end()) users_.push_back(stream);
+  if (stream == cudaStreamPerThread) {
+    // The handle means this thread's stream: which thread it was decides the free's ordering.
+    const std::thread::id id = std::this_thread::get_id();
+    if (std::find(per_thread_users_.begin(), per_thread_users_.end(), id) == per_thread_users_.end())
+      per_thread_users_.push_back(id);
+  }
 }
 
 void PooledAllocation::note_unknown_use() noexcept {

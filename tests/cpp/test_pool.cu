@@ -124,6 +124,7 @@ TEST_CASE("gpu: a use on a thread's per-thread default stream is waited for when
   // cudaStreamPerThread names the calling thread's stream: the reader thread's stream is not the
   // one the handle names on this thread, where the block is freed.
   auto pool = DevicePool::of(kDevice);
+  pool->trim(0);  // no free block of the size is left from earlier cases: the next one is this
   const int n = 1 << 20;
   unsigned long long* total = nullptr;
   check_cuda(cudaMalloc(&total, sizeof *total), "cudaMalloc", kDevice);

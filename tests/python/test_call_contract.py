@@ -351,6 +351,24 @@ def test_a_call_joining_an_outside_stream_under_capture_is_captured_and_replays_
         assert torch.equal(torch.from_dlpack(out), a @ b), seed  # small integers: exact
 
 
+def test_a_call_with_a_stream_argument_under_capture_is_captured_and_replays_right(torch, ctx):
+    # stream= names a stream outside the capture: it joins the capture for the call (CUDA's fork
+    # pattern) and is joined back, so the kernel is in the graph and runs at every replay.
+    side = torch.cuda.Stream()
+    a = _ints(torch, (64, 48), 1, torch.float32)
+    b = _ints(torch, (48, 32), 2, torch.float32)
+    inferctx.gemm(a, b, stream=side)  # warm-up: the side stream's cuBLAS workspace
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        c = inferctx.gemm(a, b, stream=side)
+    for seed in range(3, 8):
+        a.copy_(_ints(torch, (64, 48), seed, torch.float32))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(c, a @ b), seed  # small integers: exact
+
+
 IMPORT_AFTER_WORK_SCRIPT = """
 import sys
 import types

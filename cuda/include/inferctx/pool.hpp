@@ -12,10 +12,10 @@
 // then) for every noted stream (or, used on one durable stream only, in that stream's order). An event can be recorded at that time only on a stream that
 // still exists, so this is done for the durable streams alone (the legacy default stream, the
 // pool's own, and those note_durable names: the contexts' own and comm streams); a use on any
-// other stream (the per-thread default stream included: its handle names the freeing thread's),
-// or an unknown use, is waited for by a device-wide synchronisation before the free. Where that
-// synchronisation is refused (during a CUDA-graph capture), the block stays allocated until a
-// later one succeeds.
+// other stream (the per-thread default stream of another thread than the freeing one included:
+// that handle names the calling thread's), or an unknown use, is waited for by a device-wide
+// synchronisation before the free. Where that synchronisation is refused (another thread
+// captures into a CUDA graph), the block stays allocated until a later one succeeds.
 // So memory is never handed out again while any stream that was seen using it may still do so.
 #pragma once
 
@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "inferctx/memory.hpp"
@@ -55,6 +56,7 @@ class PooledAllocation final : public DeviceAllocation {
   std::shared_ptr<DevicePool> pool_;
   std::mutex mutex_;
   std::vector<cudaStream_t> users_;
+  std::vector<std::thread::id> per_thread_users_;  // threads that noted cudaStreamPerThread
   bool unknown_use_ = false;
 };
 
@@ -87,10 +89,16 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
  private:
   explicit DevicePool(int device);
   friend class PooledAllocation;
-  void release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use) noexcept;
+  // `other_threads_per_thread_stream`: cudaStreamPerThread was noted on a thread other than the
+  // calling one (which that handle does not name here).
+  void release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use,
+               bool other_threads_per_thread_stream) noexcept;
   cudaEvent_t take_event();           // from the free list (or a new one)
   void give_event(cudaEvent_t event) noexcept;
-  void free_deferred() noexcept;      // frees the blocks in deferred_ (after a device synchronisation)
+  uint64_t deferral_mark();  // taken before a device synchronisation, for free_deferred
+  // Frees the blocks deferred before `before` was taken (after a device synchronisation that
+  // began after it).
+  void free_deferred(uint64_t before) noexcept;
 
   int device_ = 0;
   cudaMemPool_t pool_ = nullptr;
@@ -100,7 +108,12 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::vector<cudaStream_t> durable_;
   // Blocks whose users could not be waited for when let go (the device synchronisation was
   // refused); freed after the next one that succeeds.
-  std::vector<void*> deferred_;
+  struct Deferred {
+    void* ptr;
+    uint64_t mark;
+  };
+  std::vector<Deferred> deferred_;
+  uint64_t next_deferral_ = 0;
   int64_t live_ = 0;
   bool durable(cudaStream_t stream) const;  // mutex_ held
 };
