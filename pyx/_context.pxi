@@ -8,19 +8,23 @@ from libcpp.utility cimport pair
 
 from inferctx._decl_gpu cimport (
     CppEvent, CppInferenceContext, DeviceAllocation, check_cuda, cudaError_t, cudaEventRecord,
-    cudaEvent_t, cudaGetDevice, cudaGetLastError, cudaSetDevice, cudaStreamCaptureStatus,
-    cudaStreamCaptureStatusNone, cudaStreamGetCaptureInfo, cudaStreamWaitEvent, cudaStream_t,
-    cudaSuccess)
+    cudaErrorStreamCaptureImplicit, cudaEvent_t, cudaGetDevice, cudaGetLastError, cudaSetDevice,
+    cudaStreamCaptureStatus, cudaStreamCaptureStatusNone, cudaStreamGetCaptureInfo,
+    cudaStreamWaitEvent, cudaStream_t, cudaSuccess)
 from inferctx._decl_planner cimport PlanRequest, WorkspacePlan
 
 
-cdef unsigned long long _capture_id(cudaStream_t stream) noexcept nogil:
+cdef unsigned long long _capture_id(cudaStream_t stream, cudaError_t* error) noexcept nogil:
     """0 for a stream that is not being captured into a CUDA graph, else its capture's id (never
-    0); -1 when CUDA will not say (the legacy stream asked while a blocking stream captures)."""
+    0); -1 when CUDA will not say: the legacy stream asked while a blocking stream captures, or
+    an error, which goes to `error` (a stream that does not exist, say)."""
     cdef cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone
     cdef unsigned long long capture_id = 0
-    if cudaStreamGetCaptureInfo(stream, &capture, &capture_id) != cudaSuccess:
+    cdef cudaError_t status = cudaStreamGetCaptureInfo(stream, &capture, &capture_id)
+    if status != cudaSuccess:
         cudaGetLastError()
+        if status != cudaErrorStreamCaptureImplicit and error[0] == cudaSuccess:
+            error[0] = status
         return <unsigned long long>-1
     if capture == cudaStreamCaptureStatusNone:
         return 0
@@ -45,9 +49,11 @@ cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t p
     # once the work is queued). A capture never waits for work outside it: that work is ordered
     # by where the graph is launched.
     cdef unsigned long long unknown = <unsigned long long>-1
-    cdef unsigned long long p = _capture_id(producer)
-    cdef unsigned long long c = _capture_id(consumer)
-    if (p == c and p != unknown) or (fork and c == 0 and p != 0 and p != unknown):
+    cdef unsigned long long p = _capture_id(producer, &status)
+    cdef unsigned long long c = _capture_id(consumer, &status)
+    if status != cudaSuccess:
+        pass  # a stream that does not exist: reported by _order
+    elif (p == c and p != unknown) or (fork and c == 0 and p != 0 and p != unknown):
         status = cudaEventRecord(event, producer)
         if status == cudaSuccess:
             status = cudaStreamWaitEvent(consumer, event, 0)

@@ -151,8 +151,10 @@ cdef uintptr_t _cupy_stream_too(InferenceContext ctx, uintptr_t ctx_stream) exce
     cdef uintptr_t s = _package_stream(PKG_CUPY, ctx.device)
     if s == ctx_stream:
         return 0
+    cdef cudaError_t ignored = cudaSuccess  # a stream that does not exist: sync_comp reports it
     with nogil:  # under CUDA-graph capture the extra join could cross a capture's boundary
-        if _capture_id(<cudaStream_t>s) != 0 or _capture_id(<cudaStream_t>ctx_stream) != 0:
+        if (_capture_id(<cudaStream_t>s, &ignored) != 0
+                or _capture_id(<cudaStream_t>ctx_stream, &ignored) != 0):
             s = 0
     return s
 

@@ -18,6 +18,7 @@ cdef extern from "cuda_runtime_api.h" nogil:
     ctypedef enum cudaError_t:
         cudaSuccess
         cudaErrorNotReady
+        cudaErrorStreamCaptureImplicit
 
     ctypedef void* cudaStream_t
     ctypedef void* cudaEvent_t
