@@ -127,10 +127,12 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
 
     Returns
     -------
-    One dict per shape: shape, dtype, trans_a, trans_b, tf32, default_ms (cuBLASLt's first
-    choice), tuned_ms, speedup, backend ('cublasLt' or 'cublas', the path PyTorch takes),
-    algo_index (0: the heuristic's first choice; -1: cuBLAS), candidates, valid, skipped
-    (True when the cache already had it).
+    One dict per shape: shape, dtype, trans_a, trans_b, tf32, default_ms (cublasGemmEx: what
+    an untuned gemm runs, the call torch.matmul makes), tuned_ms, speedup (default_ms /
+    tuned_ms), backend ('cublasLt', or 'cublas' when cublasGemmEx stays the fastest),
+    algo_index (0: cublasGemmEx; i >= 1: cuBLASLt's i-th candidate), candidates, valid (those
+    whose result matched cublasGemmEx's within the dtype's tolerance), skipped (True when the
+    cache already had it).
     """
     code = dtype_code(dtype)
     flags = {name: _flag(value, name) for name, value in

@@ -130,3 +130,26 @@ def test_wait_orders_two_streams():
         y = x.clone()
     second.synchronize()
     assert float(y.min()) == 1.0
+
+
+@pytest.mark.gpu
+def test_wait_for_a_stream_of_another_device():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    # The event goes on the other device's stream, so it is made on that device; before, it was
+    # made on the waiting stream's and recording it failed.
+    ours = Stream(device=1)
+    for other, as_torch in ((ours, torch.cuda.ExternalStream(ours.handle, device="cuda:1")),
+                            (torch.cuda.Stream(1),) * 2, (torch.cuda.default_stream(1),) * 2):
+        waiting = Stream(device=0)
+        x1 = torch.zeros(1 << 20, device="cuda:1")
+        torch.cuda.synchronize(1)
+        with torch.cuda.device(1), torch.cuda.stream(as_torch):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time on cuda:1 before the write
+            x1.fill_(1.0)
+        waiting.wait(other)
+        with torch.cuda.stream(torch.cuda.ExternalStream(waiting.handle, device="cuda:0")):
+            y = x1.to("cuda:0", non_blocking=True)  # a peer copy ordered on the waiting stream
+        waiting.synchronize()
+        assert float(y.min()) == 1.0, other
