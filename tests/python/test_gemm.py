@@ -536,6 +536,8 @@ def test_gpu_autotune_then_gemm_and_cache_file(ctx, tmp_path, capsys):
         assert r["skipped"] is False and r["tuned_ms"] > 0 and r["valid"] >= 1
         assert r["backend"] in ("cublasLt", "cublas")
         assert r["default_ms"] is None or r["tuned_ms"] <= r["default_ms"]
+        assert r["default_ms"] is not None  # cublasGemmEx, what gemm runs untuned, was timed
+        assert (r["algo_index"] == 0) == (r["backend"] == "cublas"), r  # and is candidate 0
     entries = gm.gemm_cache_entries()
     assert len(entries) == 2
     # Tuned results equal untuned ones (and the float64 reference).
