@@ -64,10 +64,10 @@ def _entry_from_json(j, path, index) -> dict:
         return v
 
     dtype = j.get("dtype")
-    if dtype not in _CODES:
+    if not isinstance(dtype, str) or dtype not in _CODES:  # a list or dict is no dtype (nor hashable)
         fail(f"dtype is {dtype!r}; valid: 'float32', 'float16', 'bfloat16'")
     backend = j.get("backend")
-    if backend not in _BACKEND_CODES:
+    if not isinstance(backend, str) or backend not in _BACKEND_CODES:
         fail(f"backend is {backend!r}; valid: 'cublasLt', 'cublas'")
     align = j.get("align")
     if (not isinstance(align, list) or len(align) != 3

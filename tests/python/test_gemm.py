@@ -327,7 +327,8 @@ def test_malformed_entries(tuner, tmp_path):
     for field, value, word in [("dtype", "int8", "dtype"), ("algo", ["0xZZ"], "algo word"),
                                ("algo", [str(2**64)], "algo word"), ("backend", "magic", "backend"),
                                ("align", [256, 256], "align"), ("m", 1.5, "m is 1.5"),
-                               ("trans_a", "no", "trans_a"), ("device_name", 3, "device_name")]:
+                               ("trans_a", "no", "trans_a"), ("device_name", 3, "device_name"),
+                               ("dtype", ["float16"], "dtype"), ("backend", {"cublas": 1}, "backend")]:
         path = tmp_path / "bad.json"
         path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1,
                                     "entries": [dict(good, **{field: value})]}))
