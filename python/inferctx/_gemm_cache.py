@@ -51,10 +51,12 @@ def _entry_from_json(j, path, index) -> dict:
     if not isinstance(j, dict):
         fail(f"got {type(j).__name__}; each entry is a JSON object")
 
-    def integer(field):
+    def integer(field, bits=64):
         v = j.get(field)
         if isinstance(v, bool) or not isinstance(v, int):
             fail(f"{field} is {v!r}; it must be an integer")
+        if not -(1 << (bits - 1)) <= v < (1 << (bits - 1)):  # what the C++ entry holds
+            fail(f"{field} is {v}; it must be within int{bits}")
         return v
 
     def boolean(field):
@@ -64,15 +66,15 @@ def _entry_from_json(j, path, index) -> dict:
         return v
 
     dtype = j.get("dtype")
-    if dtype not in _CODES:
+    if not isinstance(dtype, str) or dtype not in _CODES:  # a list or dict is no dtype (nor hashable)
         fail(f"dtype is {dtype!r}; valid: 'float32', 'float16', 'bfloat16'")
     backend = j.get("backend")
-    if backend not in _BACKEND_CODES:
+    if not isinstance(backend, str) or backend not in _BACKEND_CODES:
         fail(f"backend is {backend!r}; valid: 'cublasLt', 'cublas'")
     align = j.get("align")
     if (not isinstance(align, list) or len(align) != 3
-            or any(isinstance(x, bool) or not isinstance(x, int) for x in align)):
-        fail(f"align is {align!r}; it must be a list of three integers")
+            or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < (1 << 31) for x in align)):
+        fail(f"align is {align!r}; it must be a list of three integers in [0, 2**31)")
     algo = j.get("algo")
     if not isinstance(algo, list):
         fail(f"algo is {algo!r}; it must be a list of hex strings")
@@ -90,10 +92,14 @@ def _entry_from_json(j, path, index) -> dict:
     time_ms = j.get("time_ms", -1.0)
     if isinstance(time_ms, bool) or not isinstance(time_ms, (int, float)):
         fail(f"time_ms is {time_ms!r}; it must be a number")
+    try:
+        time_ms = float(time_ms)
+    except OverflowError:  # an integer past a double's range
+        fail(f"time_ms is {time_ms}; it must be a number within a double's range")
     problem = {"dtype": _CODES[dtype], "trans_a": boolean("trans_a"),
                "trans_b": boolean("trans_b"), "tf32": boolean("tf32")}
     problem.update({f: integer(f) for f in _PROBLEM_FIELDS})
-    return {"device": integer("device"), "device_name": name,
+    return {"device": integer("device", 32), "device_name": name,
             "cublas_version": integer("cublas_version"), "problem": problem,
             "align_a": align[0], "align_b": align[1], "align_c": align[2],
             "backend": _BACKEND_CODES[backend], "algo": words, "time_ms": float(time_ms)}

@@ -26,10 +26,10 @@ def _tune_shapes(shapes):
         except TypeError:
             dims = None
         if (dims is None or len(dims) not in (3, 4)
-                or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1
+                or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 1 <= d < 1 << 63
                        for d in dims)):
             raise ConfigError(f"shapes: got {item!r}; each shape is (m, n, k) or (batch, m, n, k) "
-                              f"with integers >= 1", argument="shapes")
+                              f"with integers in [1, 2**63)", argument="shapes")
         dims = tuple(int(d) for d in dims)
         out.append(dims if len(dims) == 4 else (1,) + dims)
     return out

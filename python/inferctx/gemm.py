@@ -141,8 +141,9 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
     problems = _tune_shapes(shapes)
     for name, value, low in (("max_algorithms", max_algorithms, 1), ("warmup", warmup, 0),
                              ("repeats", repeats, 1)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-            raise ConfigError(f"{name}: got {value!r}; it must be an integer >= {low}",
+        if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
+                or value >= 1 << 31):  # a C int in the compiled tuner
+            raise ConfigError(f"{name}: got {value!r}; it must be an integer in [{low}, 2**31)",
                               argument=name)
     if ctx is None:
         ctx = _context_of_current_device()

@@ -91,6 +91,10 @@ def test_model_specs():
     with pytest.raises(inferctx.ConfigError) as e:
         model_spec("llama", num_kv_heads=5)
     assert e.value.argument == "num_kv_heads"
+    for name in (["llama"], {}, None, 3):  # a list or dict is unhashable: no TypeError either
+        with pytest.raises(inferctx.ConfigError) as e:
+            model_spec(name)
+        assert e.value.argument == "model" and "valid: gpt2" in str(e.value)
 
 
 # -- the decoder on the CPU (checks the arithmetic where there is no GPU) ---------------------------

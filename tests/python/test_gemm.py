@@ -259,7 +259,7 @@ def test_autotune_calls_the_tuner_with_packed_problems(tuner, capsys):
 
 
 @pytest.mark.parametrize("shapes", [[(0, 4, 4)], [(4, 4)], [(1, 2, 3, 4, 5)], [("a", 2, 3)],
-                                    "1x2x3", 7, [(True, 2, 3)]])
+                                    "1x2x3", 7, [(True, 2, 3)], [(2**70, 1, 1)], [(1, 2**63, 1)]])
 def test_autotune_rejects_bad_shapes(tuner, shapes):
     with pytest.raises(ConfigError) as info:
         gm.autotune_gemm(shapes, "bf16", progress=False)
@@ -268,7 +268,9 @@ def test_autotune_rejects_bad_shapes(tuner, shapes):
 
 def test_autotune_rejects_bad_options(tuner):
     for kwargs, argument in [({"max_algorithms": 0}, "max_algorithms"), ({"repeats": 0}, "repeats"),
-                             ({"warmup": -1}, "warmup"), ({"trans_a": 1}, "trans_a")]:
+                             ({"warmup": -1}, "warmup"), ({"trans_a": 1}, "trans_a"),
+                             ({"max_algorithms": 2**31}, "max_algorithms"), ({"repeats": 2**31}, "repeats"),
+                             ({"warmup": 2**31}, "warmup")]:
         with pytest.raises(ConfigError) as info:
             gm.autotune_gemm([(4, 4, 4)], "bf16", progress=False, **kwargs)
         assert info.value.argument == argument
@@ -327,7 +329,12 @@ def test_malformed_entries(tuner, tmp_path):
     for field, value, word in [("dtype", "int8", "dtype"), ("algo", ["0xZZ"], "algo word"),
                                ("algo", [str(2**64)], "algo word"), ("backend", "magic", "backend"),
                                ("align", [256, 256], "align"), ("m", 1.5, "m is 1.5"),
-                               ("trans_a", "no", "trans_a"), ("device_name", 3, "device_name")]:
+                               ("trans_a", "no", "trans_a"), ("device_name", 3, "device_name"),
+                               ("dtype", ["float16"], "dtype"), ("backend", {"cublas": 1}, "backend"),
+                               # past what the compiled entry holds: no OverflowError
+                               ("align", [256, 256, 99_999_999_999], "align"), ("m", 2**70, "m is"),
+                               ("lda", 2**63, "lda is"), ("cublas_version", 2**64, "cublas_version is"),
+                               ("device", 2**40, "device is"), ("time_ms", 10**400, "time_ms is")]:
         path = tmp_path / "bad.json"
         path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1,
                                     "entries": [dict(good, **{field: value})]}))

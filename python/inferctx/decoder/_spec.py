@@ -154,7 +154,7 @@ def model_spec(name: str, **overrides: Any) -> ModelSpec:
     the small ones) with fields changed, e.g. ``model_spec('llama', num_layers=2)``. Changing
     ``hidden`` or ``num_heads`` of a preset derives ``head_dim`` again (and, for GPT-2, the
     intermediate size is 4 x hidden unless given)."""
-    key = ALIASES.get(name, name)
+    key = ALIASES.get(name, name) if isinstance(name, str) else None  # [] or {}: unhashable
     if key not in PRESETS:
         raise ConfigError(f"model: got {name!r}; valid: {', '.join([*ALIASES, *PRESETS])}", argument="model")
     unknown = sorted(set(overrides) - set(_OVERRIDES))
