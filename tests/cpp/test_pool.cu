@@ -41,6 +41,19 @@ cudaStream_t new_stream() {
   return s;
 }
 
+// After a block of n ints that a busy stream reads (summing into `total`) was let go: the next
+// block of its size on `stream` is filled with 7s; returns what the reader summed (n when it
+// saw the 1s it was given, not the next user's 7s).
+unsigned long long reader_total_after_reuse(DevicePool& pool, int n, cudaStream_t stream,
+                                            const unsigned long long* total) {
+  auto again = pool.allocate(int64_t{n} * 4, stream);
+  fill<<<(n + 255) / 256, 256, 0, stream>>>(static_cast<int*>(again->data()), n, 7);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
+  unsigned long long host = 0;
+  check_cuda(cudaMemcpy(&host, total, sizeof host, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+  return host;
+}
+
 long long cycles_per_ms() {
   int khz = 0;
   check_cuda(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, kDevice), "cudaDeviceGetAttribute", kDevice);
@@ -109,12 +122,7 @@ TEST_CASE("gpu: a block is not handed out again while a stream that used it is s
     sum_into<<<(n + 255) / 256, 256, 0, reader>>>(static_cast<const int*>(block->data()), n, total);
     cudaEventDestroy(filled);
   }  // freed here, while the reader still has 50 ms to go
-  auto again = pool->allocate(int64_t{n} * 4, producer);
-  fill<<<(n + 255) / 256, 256, 0, producer>>>(static_cast<int*>(again->data()), n, 7);
-  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
-  unsigned long long host = 0;
-  check_cuda(cudaMemcpy(&host, total, sizeof host, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
-  CHECK_EQ(host, static_cast<unsigned long long>(n));  // the reader saw 1s, not the next user's 7s
+  CHECK_EQ(reader_total_after_reuse(*pool, n, producer, total), static_cast<unsigned long long>(n));
   cudaFree(total);
   cudaStreamDestroy(producer);
   cudaStreamDestroy(reader);
@@ -140,12 +148,7 @@ TEST_CASE("gpu: a use on a thread's per-thread default stream is waited for when
   });
   reader.join();
   block.reset();  // on this thread, while the reader's stream still has 50 ms to go
-  auto again = pool->allocate(int64_t{n} * 4, cudaStreamPerThread);
-  fill<<<(n + 255) / 256, 256, 0, cudaStreamPerThread>>>(static_cast<int*>(again->data()), n, 7);
-  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
-  unsigned long long host = 0;
-  check_cuda(cudaMemcpy(&host, total, sizeof host, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
-  CHECK_EQ(host, static_cast<unsigned long long>(n));  // the reader saw 1s, not the next user's 7s
+  CHECK_EQ(reader_total_after_reuse(*pool, n, cudaStreamPerThread, total), static_cast<unsigned long long>(n));
   cudaFree(total);
 }
 
