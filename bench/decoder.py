@@ -168,7 +168,9 @@ def bench_one(torch, args, name, batch, hf):
     del dec, steps, eager
     torch.cuda.empty_cache()
 
-    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
+    from inferctx.decoder._models import _hf_generate_kwargs
+
+    kwargs = _hf_generate_kwargs(prompt, n)  # every prompt token real, token 0 included
     with torch.no_grad():
         hf_ms = timed(torch, lambda: hf.generate(prompt, **kwargs), args.repeats)
         hf_prefill = timed(torch, lambda: hf(prompt, use_cache=True), args.repeats)

@@ -106,10 +106,11 @@ def default_iters(nbytes: int) -> int:
 
 
 def buffer_sets(torch, nbytes: int, dtype, calls: int) -> int:
-    """Buffer sets to rotate so that a graph's inputs are not in L2 when it replays."""
+    """Buffer sets to rotate so that a graph's inputs are not in L2 when it replays: more than 3x
+    L2 in all (each set is a graph of its own; the small sizes need hundreds)."""
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     per_set = 3 * nbytes * calls  # x, y and the masks, roughly
-    return max(1, min(8, -(-3 * l2 // max(per_set, 1))))
+    return max(1, -(-3 * l2 // max(per_set, 1)))
 
 
 def capture(torch, fn):
@@ -184,7 +185,8 @@ def main(argv=None) -> int:
                 if calls > 1 and nbytes * calls > args.max_step_mib << 20:
                     continue
                 sets = buffer_sets(torch, nbytes, dt, calls)
-                iters = args.iters or default_iters(nbytes * calls)
+                # Every set once at least: the calls timed cover more than 3x L2.
+                iters = max(args.iters or default_iters(nbytes * calls), sets)
                 bufs = []
                 for _ in range(sets):
                     xs = [torch.randn(n, device="cuda").to(dt) for _ in range(calls)]

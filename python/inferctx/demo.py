@@ -134,7 +134,7 @@ def _require_gpu(torch: Any, device: int) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Runs `inferctx demo`; DemoError (status 2) when torch, transformers or a GPU is missing."""
     from .decoder import model_spec
-    from .errors import ConfigError
+    from .errors import ConfigError, WorkspaceOOMError
 
     try:
         spec = model_spec(args.model, num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
@@ -157,7 +157,7 @@ def run_demo(args: argparse.Namespace) -> int:
         dec = ReferenceDecoder(hf, batch_size=args.batch, prompt_len=args.prompt_len,
                                max_new_tokens=args.new_tokens, dtype=args.dtype, ctx=ctx, dropout=args.dropout,
                                use_graph=not args.no_graph)
-    except ConfigError as exc:
+    except (ConfigError, WorkspaceOOMError) as exc:
         raise DemoError(_flag_terms(str(exc))) from None
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, spec.vocab_size, (args.batch, args.prompt_len), generator=gen).to(device)
@@ -187,25 +187,44 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _whole_ms(torch: Any, run: Any) -> float:
+    """CUDA-event time of one whole call (prefill and every step), on the caller's stream, which
+    the decoder joins at its start and end."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end))
+
+
 def _compare(torch: Any, hf: Any, dec: Any, prompt: Any, tokens: Any, n: int, device: Any) -> dict[str, Any]:
-    """transformers' greedy generate on the same model and dtype: its time and whether its tokens agree."""
+    """transformers' greedy generate on the same model and dtype: its time and whether its tokens
+    agree; and ours timed the same way (the whole generate, prefill included)."""
     model = hf.to(device=device, dtype=dec.dtype)
-    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
+    from .decoder._models import _hf_generate_kwargs
+
+    kwargs = _hf_generate_kwargs(prompt, n)
     with torch.no_grad():
         model.generate(prompt, **kwargs)  # warm-up
         torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        theirs = model.generate(prompt, **kwargs)[:, prompt.shape[1]:]
-        end.record()
-        end.synchronize()
+        theirs = None
+
+        def hf_generate() -> None:
+            nonlocal theirs
+            theirs = model.generate(prompt, **kwargs)[:, prompt.shape[1]:]
+
+        ms = _whole_ms(torch, hf_generate)
+    ours_ms = _whole_ms(torch, lambda: dec.generate(prompt))
+    assert theirs is not None
     equal = theirs.shape == tokens.shape and bool((theirs == tokens).all())
     first = None
     if not equal:
         differs = (theirs != tokens).any(0).nonzero()
         first = int(differs[0]) if len(differs) else None
-    ms = start.elapsed_time(end)
-    return {"hf_generate_ms": ms, "hf_tokens_per_s": prompt.shape[0] * n / (ms / 1e3),
+    rows = prompt.shape[0]
+    return {"hf_generate_ms": ms, "hf_tokens_per_s": rows * n / (ms / 1e3),
+            "generate_ms": ours_ms, "generate_tokens_per_s": rows * n / (ours_ms / 1e3),
             "hf_tokens_equal": equal, "hf_first_difference": first}
 
 
@@ -224,6 +243,9 @@ def _print(f: dict[str, Any]) -> None:
     print(f"  tokens     {f['first_tokens']}{' ...' if f['new_tokens'] > 16 else ''}")
     if "hf_tokens_equal" in f:
         same = "equal" if f["hf_tokens_equal"] else f"differ from step {f['hf_first_difference']}"
+        # Both whole generate calls, prefill included (the decode line above counts steps alone).
+        print(f"  generate   {f['generate_ms'] / max(1, f['new_tokens']):.3f} ms/token, "
+              f"{f['generate_tokens_per_s']:,.0f} tokens/s (prefill and steps)")
         print(f"  transformers generate: {f['hf_generate_ms'] / max(1, f['new_tokens']):.3f} ms/token, "
               f"{f['hf_tokens_per_s']:,.0f} tokens/s; tokens {same}")
 

@@ -128,6 +128,65 @@ def test_cpu_decoder_equals_hugging_face(cpu, name, batch):
     assert torch.equal(out.logits.argmax(-1), ref.argmax(-1))
 
 
+def test_cpu_generate_kwargs_make_transformers_read_token_0_as_a_token(cpu):
+    """The model's pad_token_id is 0; a prompt with 0s in it, generated with the mask the demo and
+    bench/decoder.py pass, gives the decoder's tokens (without the mask, transformers would mask
+    those positions as padding and differ)."""
+    torch = cpu
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+    from inferctx.decoder._models import _hf_generate_kwargs
+
+    for name in ("llama-tiny", "gpt2-tiny"):
+        spec = model_spec(name)
+        hf = build_hf_model(spec, seed=0)
+        prompt = torch.randint(1, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
+        prompt[0, 2] = prompt[1, 5] = 0
+        dec = ReferenceDecoder(hf, batch_size=2, prompt_len=8, max_new_tokens=6, dtype="float32",
+                               ctx=CpuContext())
+        ours = dec.generate(prompt).tokens
+        with torch.no_grad():
+            theirs = hf.generate(prompt, **_hf_generate_kwargs(prompt, 6))[:, 8:]
+        assert torch.equal(theirs, ours), name
+
+
+def test_cpu_a_plan_that_cannot_hold_every_new_token_is_refused_up_front(cpu):
+    """Before, the plan was cut to what memory held and generate() failed part way through."""
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+
+    hf = build_hf_model(model_spec("llama-tiny"), seed=0)
+    ctx = CpuContext(free_bytes=400 << 20)
+    with pytest.raises(inferctx.WorkspaceOOMError) as e:
+        ReferenceDecoder(hf, batch_size=64, prompt_len=32, max_new_tokens=2000, dtype="float16", ctx=ctx)
+    message = str(e.value)
+    assert message.startswith("max_new_tokens: a batch of 64 rows of prompt_len + max_new_tokens = 2032 tokens")
+    fit = int(message.split("max_new_tokens <= ")[1].split()[0])
+    rows = int(message.split("batch_size <= ")[1].split()[0])
+    assert 0 < fit < 2000 and 0 < rows < 64
+    # The hints are the largest that fit: they do, one more does not.
+    assert ReferenceDecoder(hf, batch_size=64, prompt_len=32, max_new_tokens=fit, dtype="float16",
+                            ctx=ctx).max_tokens >= 32 + fit
+    with pytest.raises(inferctx.WorkspaceOOMError):
+        ReferenceDecoder(hf, batch_size=64, prompt_len=32, max_new_tokens=fit + 1, dtype="float16", ctx=ctx)
+    assert ReferenceDecoder(hf, batch_size=rows, prompt_len=32, max_new_tokens=2000, dtype="float16",
+                            ctx=ctx).max_tokens >= 2032
+    with pytest.raises(inferctx.WorkspaceOOMError):
+        ReferenceDecoder(hf, batch_size=rows + 1, prompt_len=32, max_new_tokens=2000, dtype="float16", ctx=ctx)
+
+
+def test_cpu_the_demo_words_a_plan_that_does_not_fit_in_its_flags(cpu):
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+    from inferctx.demo import _flag_terms
+
+    hf = build_hf_model(model_spec("llama-tiny"), seed=0)
+    with pytest.raises(inferctx.WorkspaceOOMError) as e:
+        ReferenceDecoder(hf, batch_size=64, prompt_len=32, max_new_tokens=2000, dtype="float16",
+                         ctx=CpuContext(free_bytes=400 << 20))
+    words = _flag_terms(str(e.value))
+    assert words.startswith("--new-tokens: a batch of 64 rows of --prompt-len + --new-tokens = 2032 tokens")
+    assert "would fit: --new-tokens <= " in words and " or --batch <= " in words
+    assert "max_new_tokens" not in words and "batch_size" not in words and "max_out_tokens" not in words
+
+
 def test_cpu_token_limit_batch_and_release(cpu):
     torch = cpu
     from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
@@ -327,6 +386,46 @@ def test_release_and_retake_keep_the_graph_and_the_tokens(gpu, arch):
     torch.cuda.synchronize()
     assert torch.equal(dec.out_ids[:, PROMPT:PROMPT + 16], reference)
     assert not ctx.addresses_stable or dec._graph is graph
+
+
+FALLBACK_RELEASE_SCRIPT = """
+import torch
+import inferctx
+from inferctx.decoder import ReferenceDecoder, build_hf_model, model_spec
+
+ctx = inferctx.InferenceContext.instance(0)
+assert not ctx.addresses_stable  # INFERCTX_DISABLE_VMM=1: the cudaMalloc fallback
+spec = model_spec("llama-tiny")
+dec = ReferenceDecoder(build_hf_model(spec, seed=0), batch_size=8, prompt_len=16, max_new_tokens=4096,
+                       dtype="float16", ctx=ctx)
+prompt = torch.randint(0, spec.vocab_size, (8, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+reference = dec.generate(prompt, 24).tokens
+torch.cuda.synchronize()
+free0 = torch.cuda.mem_get_info()[0]
+dec.release()
+torch.cuda.synchronize()
+freed = torch.cuda.mem_get_info()[0] - free0
+assert freed >= dec.workspace_bytes - (2 << 20), (freed, dec.workspace_bytes)
+dec.retake()
+assert torch.equal(dec.generate(prompt, 24).tokens, reference)
+dec.release()  # and back through the context's own call
+ctx.retake_workspace()
+assert torch.equal(dec.generate(prompt, 24).tokens, reference)
+print("ok", freed, dec.workspace_bytes)
+"""
+
+
+@pytest.mark.gpu
+def test_release_under_the_cudamalloc_fallback_gives_the_memory_back(gpu):
+    """Before, the decoder's own views kept the allocation alive: nothing went back, and the retake
+    took a second workspace beside it."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", FALLBACK_RELEASE_SCRIPT], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "INFERCTX_DISABLE_VMM": "1"})
+    assert run.returncode == 0 and run.stdout.startswith("ok"), (run.stdout, run.stderr[-3000:])
 
 
 @pytest.mark.gpu

@@ -166,10 +166,10 @@ class CpuContext:
         self._tokens = 0
 
     def gen_workspace(self, shape: ModelShape, *, batch_size: int, prompt_len: int, max_out_tokens: int,
-                      dtype: str = "float16") -> WorkspacePlan:
+                      min_out_tokens: int = 1, dtype: str = "float16") -> WorkspacePlan:
         plan = plan_workspace(shape, batch_size=batch_size, prompt_len=prompt_len,
-                              max_out_tokens=max_out_tokens, dtype=dtype, free_bytes=self._free,
-                              total_bytes=self._free)
+                              max_out_tokens=max_out_tokens, min_out_tokens=min_out_tokens, dtype=dtype,
+                              free_bytes=self._free, total_bytes=self._free)
         if self._plan is None or plan != self._plan:
             self._plan = plan
             self._ws = torch.full((plan.workspace_bytes,), 0xFF, dtype=torch.uint8)  # NaN in every dtype

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import ConfigError, WorkspaceStateError
+from ..errors import ConfigError, WorkspaceOOMError, WorkspaceStateError
 from . import _layers as L
 from ._backend import CpuBackend, CpuContext, GpuBackend, _Carver, _side_stream
 from ._fused import FusedOps, fused_ops, unfused
@@ -20,6 +20,32 @@ from ._models import TORCH_DTYPES, Weights
 from ._spec import ModelSpec, dtype_name
 
 __all__ = ["ReferenceDecoder", "Generation"]
+
+def _too_long(exc: WorkspaceOOMError, s: ModelSpec, batch: int, prompt_len: int, new: int,
+              dtype: str) -> WorkspaceOOMError:
+    """The planner's refusal of a full-length plan, in the decoder's terms: what the memory it
+    measured holds, and the max_new_tokens or batch_size that would fit."""
+    from ..planning import human_bytes, max_batch_size, max_out_tokens_for
+
+    figures = dict(free_bytes=exc.free_bytes, total_bytes=exc.total_bytes, dtype=dtype)
+    if exc.free_bytes is None or exc.total_bytes is None:
+        return exc
+    shape = s.model_shape()
+    most = max_out_tokens_for(shape, batch_size=batch, prompt_len=prompt_len, **figures)
+    rows = max_batch_size(shape, prompt_len=prompt_len, max_out_tokens=prompt_len + new, **figures)
+    hints = ([f"max_new_tokens <= {most - prompt_len}"] if most > prompt_len else []) + (
+        [f"batch_size <= {rows}"] if rows >= 1 else [])
+    need = f"needs {human_bytes(exc.requested_bytes)}, " if exc.requested_bytes is not None else ""
+    budget = f"a budget of {human_bytes(exc.budget_bytes)}" if exc.budget_bytes is not None else "the budget"
+    return WorkspaceOOMError(
+        f"max_new_tokens: a batch of {batch} rows of prompt_len + max_new_tokens = {prompt_len + new} tokens "
+        f"does not fit: it {need}and {budget} (free {human_bytes(exc.free_bytes)}) holds "
+        f"{most if most >= prompt_len else 0} tokens per row; "
+        + (f"would fit: {' or '.join(hints)}" if hints else "no smaller batch_size or max_new_tokens fits"),
+        requested_bytes=exc.requested_bytes, free_bytes=exc.free_bytes, total_bytes=exc.total_bytes,
+        budget_bytes=exc.budget_bytes, max_batch_size=rows or None,
+        max_out_tokens=most if most > prompt_len else None)
+
 
 @dataclass
 class Generation:
@@ -98,9 +124,14 @@ class ReferenceDecoder:
         self._ops: FusedOps = (fused_ops(index, self.dtype) if fused and self.backend.on_gpu
                                else unfused(index, self.dtype))
         self.weights = Weights.from_hf(model, s, self.device, self.dtype)  # before the plan reads free memory
-        self.plan = ctx.gen_workspace(s.model_shape(), batch_size=self.batch, prompt_len=self.prompt_len,
-                                      max_out_tokens=self.prompt_len + self.max_new_tokens,
-                                      dtype=self.dtype_name)
+        total = self.prompt_len + self.max_new_tokens
+        try:
+            # Every row's prompt and new tokens, or nothing: a plan cut short by memory would let
+            # generate() run most of its steps and then fail.
+            self.plan = ctx.gen_workspace(s.model_shape(), batch_size=self.batch, prompt_len=self.prompt_len,
+                                          max_out_tokens=total, min_out_tokens=total, dtype=self.dtype_name)
+        except WorkspaceOOMError as exc:
+            raise _too_long(exc, s, self.batch, self.prompt_len, self.max_new_tokens, self.dtype_name) from None
         self.max_tokens = self.plan.max_tokens
         self.eps = float(model.config.layer_norm_epsilon if s.arch == "gpt2" else model.config.rms_norm_eps)
         scale = s.head_dim ** -0.5
@@ -110,6 +141,7 @@ class ReferenceDecoder:
         self._stream = _side_stream(self.device) if self.backend.on_gpu else None
         self._graph: Any = None
         self._prefilled = False
+        self._unbound = False  # views dropped by release() under the cudaMalloc fallback
         self._state_small()
         self._bind()
 
@@ -183,6 +215,8 @@ class ReferenceDecoder:
         if ctx.plan is not self.plan:
             raise WorkspaceStateError(f"{what}: the context's workspace was planned again (gen_workspace) "
                                       f"since this decoder planned it; make a new ReferenceDecoder")
+        if self._unbound:  # released under the cudaMalloc fallback, taken back by ctx.retake_workspace()
+            self._rebind()
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:
@@ -438,7 +472,18 @@ class ReferenceDecoder:
         cache survives and the sequence goes on after ``retake()``; without, a new generation must
         start. The CUDA graph is kept: the workspace keeps its addresses (``ctx.addresses_stable``)."""
         stable = bool(self.ctx.addresses_stable)
-        self.ctx.release_workspace(force=not stable, keep_contents=keep_contents)
+        if not stable:
+            # Under the cudaMalloc fallback the allocation is freed only once no view holds it: the
+            # decoder's own views (and its graph, made on them) go first, and come back at the next
+            # retake() or call after ctx.retake_workspace().
+            self.kv, self.buf, self._graph = [], {}, None
+            self._unbound = True
+        try:
+            self.ctx.release_workspace(force=not stable, keep_contents=keep_contents)
+        except BaseException:
+            if not stable and not self.ctx.released:
+                self._rebind()  # still held: the views again
+            raise
         if not keep_contents:
             self._prefilled = False
 
@@ -452,3 +497,4 @@ class ReferenceDecoder:
     def _rebind(self) -> None:
         self._bind()
         self._graph = None
+        self._unbound = False

@@ -39,6 +39,14 @@ def build_hf_model(spec: ModelSpec, seed: int = 0) -> Any:
     return model
 
 
+def _hf_generate_kwargs(prompt: torch.Tensor, n: int) -> dict[str, Any]:
+    """transformers' generate for exactly the decoder's greedy run of `n` new tokens on `prompt`.
+    The attention mask says every prompt token is real: the model's pad_token_id is 0 (above),
+    and without a mask generate takes every prompt token 0 for padding and masks it."""
+    return dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0,
+                attention_mask=torch.ones_like(prompt))
+
+
 @dataclass
 class LayerWeights:
     """One layer's weights in the layout the decoder multiplies with.
