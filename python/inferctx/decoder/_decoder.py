@@ -21,6 +21,7 @@ from ._spec import ModelSpec, dtype_name
 
 __all__ = ["ReferenceDecoder", "Generation"]
 
+
 def _too_long(exc: WorkspaceOOMError, s: ModelSpec, batch: int, prompt_len: int, new: int,
               dtype: str) -> WorkspaceOOMError:
     """The planner's refusal of a full-length plan, in the decoder's terms: what the memory it
