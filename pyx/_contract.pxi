@@ -260,8 +260,8 @@ cdef CudaArray _from_torch(object t, str argument):
     cdef int device = t.get_device()
     if dt is None or device < 0:
         return None
-    return _cuda_array(<uintptr_t>t.data_ptr(), tuple(t.shape), t.stride(), <int>dt, device, t,
-                       False)
+    return _cuda_array(<uintptr_t>t.data_ptr(), tuple(t.shape), t.stride(), t.numel(), <int>dt,
+                       device, t, False)
 
 
 cdef CudaArray _from_cupy(object a, str argument):
@@ -273,8 +273,8 @@ cdef CudaArray _from_cupy(object a, str argument):
         s % itemsize == 0 for s in a.strides) else None
     if strides is None:
         return None
-    return _cuda_array(<uintptr_t>a.data.ptr, tuple(a.shape), strides, <int>dt, a.device.id, a,
-                       False)
+    return _cuda_array(<uintptr_t>a.data.ptr, tuple(a.shape), strides, a.size, <int>dt, a.device.id,
+                       a, False)
 
 
 cdef class _Call:
@@ -366,9 +366,10 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x")
     elif isinstance(ctx, InferenceContext):
         context = <InferenceContext>ctx
         if device != context.device:  # the operand's device: ctx is the one to blame
-            raise _ConfigError(f"ctx: the operands are on cuda:{device} but ctx is the context of "
-                               f"cuda:{context.device}; pass ctx=InferenceContext.instance({device}) "
-                               f"or leave ctx=None", argument="ctx")
+            raise _ConfigError(f"ctx: the operands are on cuda:{device} but ctx is the context "
+                               f"of cuda:{context.device}; pass "
+                               f"ctx=InferenceContext.instance({device}) or leave ctx=None",
+                               argument="ctx")
     else:
         raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
                            f"None", argument="ctx")

@@ -10,7 +10,7 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 
 from inferctx._decl_gpu cimport (
     CppInferenceContext, GraphRngStats, PhiloxSource, cudaStream_t, stream_capturing)
-from inferctx._decl_kernels cimport check_dropout_forward, dropout_forward
+from inferctx._decl_kernels cimport dropout_forward
 
 
 cdef int _dropout_launch(InferenceContext context, const void* x, void* y, void* mask, int64_t n,
@@ -19,16 +19,13 @@ cdef int _dropout_launch(InferenceContext context, const void* x, void* y, void*
     """Queues dropout_forward on `stream` with the Philox state (seed, offset) when `fixed`, else
     the context's: increment_offset(4) eagerly, a graph call site under capture."""
     cdef CppInferenceContext* cx = context._c
-    cdef PhiloxSource source
     with nogil:
         if fixed:
-            source = PhiloxSource.host(seed, offset)
-        else:
-            # A call refused for its arguments (an out= overlapping x, say) takes no offset and
-            # no graph call site.
-            check_dropout_forward(x, y, mask, n, dtype, p, mode)
-            source = cx.graph_rng().draw(<cudaStream_t>stream, 4)
-        dropout_forward(x, y, mask, n, dtype, p, mode, source, <cudaStream_t>stream, device, 0)
+            dropout_forward(x, y, mask, n, dtype, p, mode, PhiloxSource.host(seed, offset),
+                            <cudaStream_t>stream, device, 0)
+        else:  # drawn once the arguments passed: a refused call takes no offset or call site
+            dropout_forward(x, y, mask, n, dtype, p, mode, cx.graph_rng(), <cudaStream_t>stream,
+                            device, 0)
     return 0
 
 

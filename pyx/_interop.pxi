@@ -84,12 +84,11 @@ cdef int64_t _shape_size(tuple shape, int64_t itemsize, str argument) except -1:
     return size
 
 
-cdef CudaArray _cuda_array(uintptr_t ptr, tuple shape, tuple strides, int dtype, int device,
-                           object owner, bint read_only):
+cdef CudaArray _cuda_array(uintptr_t ptr, tuple shape, tuple strides, int64_t size, int dtype,
+                           int device, object owner, bint read_only):
+    """`size`: the elements of `shape` (its producer's count, or _shape_size's for producers
+    that may lie)."""
     cdef CudaArray a = CudaArray.__new__(CudaArray)
-    cdef int64_t size = 1
-    for n in shape:
-        size *= <int64_t>n
     _require_mapped(ptr, size * _DTYPE_ITEMSIZE[dtype], device)
     a.ptr = ptr
     a.shape = shape
@@ -144,8 +143,8 @@ cdef CudaArray _from_device_view(DeviceView view, uintptr_t stream):
     if stream != 0:
         view._ctx._order(_ctx_stream(view._ctx), stream, True)  # as _begin_call's joins
     _note_use(view, stream)
-    return _cuda_array(view._ptr, view._shape, _contiguous_strides(view._shape), view._dtype,
-                       view._device, view, False)
+    return _cuda_array(view._ptr, view._shape, _contiguous_strides(view._shape), view._size,
+                       view._dtype, view._device, view, False)
 
 
 cdef CudaArray _from_dlpack(object obj, str argument, uintptr_t stream):
@@ -177,12 +176,12 @@ cdef CudaArray _from_dlpack(object obj, str argument, uintptr_t stream):
     cdef int ndim = tensor.ndim
     cdef int i
     shape = tuple([tensor.shape[i] for i in range(ndim)])
-    _shape_size(shape, _DTYPE_ITEMSIZE[<int>dtype], argument)
+    cdef int64_t size = _shape_size(shape, _DTYPE_ITEMSIZE[<int>dtype], argument)
     if tensor.strides == NULL:  # allowed before DLPack 1.2: C-contiguous
         strides = _contiguous_strides(shape)
     else:
         strides = tuple([tensor.strides[i] for i in range(ndim)])
-    return _cuda_array(<uintptr_t>tensor.data + <uintptr_t>tensor.byte_offset, shape, strides,
+    return _cuda_array(<uintptr_t>tensor.data + <uintptr_t>tensor.byte_offset, shape, strides, size,
                        dtype, tensor.device.device_id, taken,
                        (_import_flags(taken) & DLPACK_FLAG_BITMASK_READ_ONLY) != 0)
 
@@ -207,7 +206,7 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
                            f"(little-endian {', '.join(_DTYPE_NAMES)})", argument=argument)
     cdef int64_t itemsize = _DTYPE_ITEMSIZE[<int>dtype]
     shape = _interface_ints(obj, argument, "shape", interface["shape"], False)
-    _shape_size(shape, itemsize, argument)
+    cdef int64_t size = _shape_size(shape, itemsize, argument)
     data = interface["data"]
     if not isinstance(data, tuple) or len(data) != 2:
         _bad_interface(obj, argument, f"'data' is {data!r}; the interface gives (pointer, read_only)")
@@ -240,7 +239,7 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
                                f"the interface allows None, 1, 2 or a stream handle",
                                argument=argument)
         _context_of(device)._order(<uintptr_t>producer, stream)
-    return _cuda_array(ptr, shape, strides, dtype, device, obj, True if read_only else False)
+    return _cuda_array(ptr, shape, strides, size, dtype, device, obj, True if read_only else False)
 
 
 cdef int _bad_interface(object obj, str argument, str what) except -1:

@@ -5,8 +5,7 @@ from libc.stdint cimport uintptr_t
 from libcpp.memory cimport unique_ptr
 
 from inferctx._decl_gpu cimport (
-    CppEvent, CppStream, cudaError_t, cudaGetLastError, cudaStreamGetDevice, cudaStreamLegacy,
-    cudaStreamPerThread, cudaStream_t, cudaSuccess)
+    CppEvent, CppStream, cudaStreamLegacy, cudaStreamPerThread, cudaStream_t)
 
 
 cdef str _STREAM_LIKE = (
@@ -140,17 +139,9 @@ cdef class Stream:
             return
         # The event is recorded on `other`, so it is made on other's device (an event and the
         # stream it is recorded on share a CUDA context); a wait may take one of another device.
-        cdef int on = _stream_device(other, handle)
-        cdef cudaError_t status = cudaSuccess
-        if on < 0:
-            with nogil:
-                status = cudaStreamGetDevice(<cudaStream_t>handle, &on)
-            if status != cudaSuccess:
-                with nogil:
-                    cudaGetLastError()
-                raise _ConfigError(f"other: {_type_name(other)} {handle:#x} is not a CUDA stream that "
-                                   f"exists; pass {_STREAM_LIKE} or an inferctx.Event", argument="other")
-        Event(on).record(other).wait(self)
+        # Stream(other) says which: what the object says, else CUDA's answer for the handle.
+        cdef Stream source = <Stream>other if isinstance(other, Stream) else Stream(other)
+        Event(source._device).record(source).wait(self)
 
     def record(self, event=None):
         """Records ``event`` (a new Event when None) on this stream and returns it."""

@@ -129,8 +129,11 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
   dropout_forward(x, y, mask, n, dtype, p, mask_mode, PhiloxSource::host(seed, offset), stream, device, max_blocks);
 }
 
-void check_dropout_forward(const void* x, const void* y, const void* mask, int64_t n, int dtype, double p,
-                           int mask_mode) {
+namespace {
+
+// The checks that do not depend on where the Philox state comes from (n, dtype, p, mask_mode,
+// pointers, overlaps).
+void check_forward(const void* x, const void* y, const void* mask, int64_t n, int dtype, double p, int mask_mode) {
   const int64_t elem = dtype_size(dtype);
   check_n(n, elem);
   check_mask_mode(mask_mode);
@@ -147,9 +150,9 @@ void check_dropout_forward(const void* x, const void* y, const void* mask, int64
   }
 }
 
-void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
+// dropout_forward once check_forward has passed.
+void forward_checked(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
                      const PhiloxSource& source, cudaStream_t stream, int device, int max_blocks) {
-  check_dropout_forward(x, y, mask, n, dtype, p, mask_mode);
   const int64_t elem = dtype_size(dtype);
   if (!source.captured && source.offset % 4 != 0)
     invalid("offset", "got " + std::to_string(source.offset) +
@@ -187,6 +190,20 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
 
   detail::launch_dropout_forward(x, y, mask, n, dtype, mode, static_cast<uint32_t>(dropout_keep_threshold(p)),
                                  dropout_scale(p), source, stream, dev, max_blocks);
+}
+
+}  // namespace
+
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
+                     const PhiloxSource& source, cudaStream_t stream, int device, int max_blocks) {
+  check_forward(x, y, mask, n, dtype, p, mask_mode);
+  forward_checked(x, y, mask, n, dtype, p, mask_mode, source, stream, device, max_blocks);
+}
+
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
+                     GraphRng& rng, cudaStream_t stream, int device, int max_blocks) {
+  check_forward(x, y, mask, n, dtype, p, mask_mode);  // a refused call takes no offset or site
+  forward_checked(x, y, mask, n, dtype, p, mask_mode, rng.draw(stream, 4), stream, device, max_blocks);
 }
 
 void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, double p,

@@ -345,9 +345,10 @@ def test_a_call_joining_an_outside_stream_under_capture_is_captured_and_replays_
         r = inferctx.gemm(a, b, out=out)
     assert r is out
     for seed in range(3, 8):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the producer's stream busy, then it writes a
         a.copy_(_ints(torch, (64, 48), seed, torch.float32))
         g.replay()
-        torch.cuda.synchronize()
+        # read at once on the caller's stream, as a user would: no synchronize
         assert torch.equal(torch.from_dlpack(out), a @ b), seed  # small integers: exact
 
 
@@ -363,10 +364,10 @@ def test_a_call_with_a_stream_argument_under_capture_is_captured_and_replays_rig
     with torch.cuda.graph(g):
         c = inferctx.gemm(a, b, stream=side)
     for seed in range(3, 8):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the producer's stream busy, then it writes a
         a.copy_(_ints(torch, (64, 48), seed, torch.float32))
         g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(c, a @ b), seed  # small integers: exact
+        assert torch.equal(c, a @ b), seed  # read at once, no synchronize; small integers: exact
 
 
 IMPORT_AFTER_WORK_SCRIPT = """

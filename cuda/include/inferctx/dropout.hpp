@@ -66,12 +66,6 @@ uint64_t dropout_keep_threshold(double p);
 void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
                      uint64_t seed, uint64_t offset, cudaStream_t stream, int device = -1, int max_blocks = 0);
 
-// The checks of dropout_forward that do not depend on where its Philox state comes from (n,
-// dtype, p, mask_mode, pointers, overlaps), with the same ConfigErrors: made before a draw from
-// the context's state, so that a call refused for its arguments takes no offset or graph site.
-void check_dropout_forward(const void* x, const void* y, const void* mask, int64_t n, int dtype, double p,
-                           int mask_mode);
-
 // Forward drawing from `source` (graph_rng.hpp): host (seed, offset) as above, or a captured call
 // site. For a site the kernel reads the seed and the replay number r from the site's device state
 // when it runs, so element i uses curand_init(seed, (site << 36) + i / 4, 2^63 + site.step * r),
@@ -81,6 +75,12 @@ void check_dropout_forward(const void* x, const void* y, const void* mask, int64
 // site. p rounding to 0 or 1 draws nothing and leaves r as it is.
 void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
                      const PhiloxSource& source, cudaStream_t stream, int device = -1, int max_blocks = 0);
+
+// Forward drawing from `rng` (a context's graph_rng(): increment_offset(4) on a stream that is
+// not capturing, a new call site on one that is), after the arguments are checked: a call
+// refused for its arguments takes no offset and no site.
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
+                     GraphRng& rng, cudaStream_t stream, int device = -1, int max_blocks = 0);
 
 // Backward: out_i = mask_i ? to_dtype(fl32((float)grad_i * dropout_scale(p))) : +0, for a mask
 // made by dropout_forward with the same p (Bytes: any nonzero byte counts as set; Bits: the
