@@ -26,14 +26,15 @@ def _too_long(exc: WorkspaceOOMError, s: ModelSpec, batch: int, prompt_len: int,
               dtype: str) -> WorkspaceOOMError:
     """The planner's refusal of a full-length plan, in the decoder's terms: what the memory it
     measured holds, and the max_new_tokens or batch_size that would fit."""
-    from ..planning import human_bytes, max_batch_size, max_out_tokens_for
+    from ..planning import human_bytes, max_out_tokens_for
 
-    figures = dict(free_bytes=exc.free_bytes, total_bytes=exc.total_bytes, dtype=dtype)
     if exc.free_bytes is None or exc.total_bytes is None:
         return exc
-    shape = s.model_shape()
-    most = max_out_tokens_for(shape, batch_size=batch, prompt_len=prompt_len, **figures)
-    rows = max_batch_size(shape, prompt_len=prompt_len, max_out_tokens=prompt_len + new, **figures)
+    # The planner's own hint gives the batch (every row holding all its tokens); a request that
+    # must hold all of them has no smaller max_out_tokens to offer, so that one is asked here.
+    most = max_out_tokens_for(s.model_shape(), batch_size=batch, prompt_len=prompt_len, dtype=dtype,
+                              free_bytes=exc.free_bytes, total_bytes=exc.total_bytes)
+    rows = exc.max_batch_size or 0
     hints = ([f"max_new_tokens <= {most - prompt_len}"] if most > prompt_len else []) + (
         [f"batch_size <= {rows}"] if rows >= 1 else [])
     need = f"needs {human_bytes(exc.requested_bytes)}, " if exc.requested_bytes is not None else ""
