@@ -53,6 +53,9 @@ cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t p
     cdef unsigned long long c = _capture_id(consumer, &status)
     if status != cudaSuccess:
         pass  # a stream that does not exist: reported by _order
+    elif fork and c == 0 and p != 0 and p != unknown and <uintptr_t>consumer <= 2:
+        # A default stream (legacy 1, per-thread 2) cannot join a capture: _order says so.
+        status = cudaErrorStreamCaptureImplicit
     elif (p == c and p != unknown) or (fork and c == 0 and p != 0 and p != unknown):
         status = cudaEventRecord(event, producer)
         if status == cudaSuccess:
@@ -530,6 +533,12 @@ cdef class InferenceContext:
             status = _record_then_wait(self.device, event.handle(), <cudaStream_t>producer,
                                        <cudaStream_t>consumer, fork)
             self._handshake_lock.unlock()
+        if status == cudaErrorStreamCaptureImplicit and fork:
+            raise _ConfigError(
+                "stream: is a default stream (legacy or per-thread), which cannot join the CUDA "
+                "graph capture its inputs are being captured in; pass a stream made for it "
+                "(torch.cuda.Stream(), inferctx.Stream()), or no stream= to run on the capturing "
+                "stream", argument="stream")
         if status != cudaSuccess:
             check_cuda(status, "cudaEventRecord + cudaStreamWaitEvent (stream handshake)",
                        self.device)

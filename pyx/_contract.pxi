@@ -164,7 +164,6 @@ cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0
     `argument` otherwise, before anything is launched."""
     cdef uintptr_t handle = _stream_handle(stream, argument)
     cdef int on = -1
-    cdef cudaError_t status
     if handle <= <uintptr_t>cudaStreamPerThread:
         # The default streams of whichever device is current: inferctx runs them on ctx's. An
         # object that says it is of another device (torch.cuda.default_stream(1)) is refused.
@@ -178,34 +177,18 @@ cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0
         raise _ConfigError(
             f"{argument}: {_type_name(stream)} {handle:#x} is the handle of an inferctx.Stream that "
             f"was destroyed; pass {_STREAM_LIKE} of cuda:{device} that exists", argument=argument)
-    cdef cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone
-    cdef bint ours
     if isinstance(stream, Stream):
         on = (<Stream>stream)._device
     else:
-        # Asking a capturing stream for its device (cudaStreamGetDevice) would end the capture in
-        # error; whether it captures can be asked, and a handle that is no stream fails there.
-        with nogil:
-            status = cudaStreamIsCapturing(<cudaStream_t>handle, &capture)
-            if status == cudaSuccess and capture == cudaStreamCaptureStatusNone:
-                status = cudaStreamGetDevice(<cudaStream_t>handle, &on)
-        if status == cudaSuccess and capture != cudaStreamCaptureStatusNone:
-            on = _stream_device(stream, handle)  # what a torch or CuPy stream says
-            if on < 0:  # a handle: its CUDA context, which may be asked under capture
-                with nogil:
-                    ours = stream_is_on_device(<cudaStream_t>handle, device)
-                if ours:
-                    return handle
+        # What a torch or CuPy stream says (no CUDA call, none that could disturb a capture),
+        # else CUDA's answer for the handle.
+        on = _declared_device(stream)
+        if on < 0:
+            on = _handle_device(handle, device, argument, stream)
+            if on < 0:
                 raise _ConfigError(f"{argument}: {handle:#x} is a stream of another device than "
                                    f"the operands' cuda:{device}; pass a stream of cuda:{device}",
                                    argument=argument)
-        elif status != cudaSuccess:
-            with nogil:
-                cudaGetLastError()
-            raise _ConfigError(
-                f"{argument}: {_type_name(stream)} {handle:#x} is not a CUDA stream that exists "
-                f"(destroyed, or not a stream handle); pass {_STREAM_LIKE} of cuda:{device}",
-                argument=argument)
     if on != device:
         raise _ConfigError(f"{argument}: is a stream of cuda:{on} but the operands are on "
                            f"cuda:{device}; pass a stream of cuda:{device}", argument=argument)
@@ -324,12 +307,25 @@ cdef class _Call:
                 self.ctx._order(self.kernel, <uintptr_t>s)
         return 0
 
+    cdef int abandon(self) except -1:
+        """finish() for a call given up after _begin_call (an argument refused, a launch that
+        failed): a stream it made join a CUDA-graph capture is joined back, or the capture could
+        not end. A failure here gives way to the error that ended the call."""
+        try:
+            self.finish()
+        except Exception:
+            pass
+        return 0
+
     # Python-level access for python/inferctx/gemm.py
     def import_array(self, obj, argument):
         return self.array(obj, argument)
 
     def done(self):
         self.finish()
+
+    def given_up(self):
+        self.abandon()
 
 
 cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x"):

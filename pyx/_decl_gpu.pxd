@@ -108,6 +108,7 @@ cdef extern from "inferctx/stream.hpp" namespace "inferctx" nogil:
         bool timing()
         void record(cudaStream_t stream) except +raise_inferctx_error
         void make_wait(cudaStream_t stream) except +raise_inferctx_error
+        void make_wait(cudaStream_t stream, int stream_device) except +raise_inferctx_error
         bool query() except +raise_inferctx_error
         void synchronize() except +raise_inferctx_error
         float elapsed_ms_since(const CppEvent& start) except +raise_inferctx_error

@@ -279,6 +279,9 @@ cdef int _pointer_device(uintptr_t ptr, object obj, str argument) except -1:
     if attributes.type != cudaMemoryTypeDevice and attributes.type != cudaMemoryTypeManaged:
         raise _ConfigError(_not_cuda(obj, argument, "whose __cuda_array_interface__ pointer is "
                                                     "not device memory"), argument=argument)
+    if attributes.device < 0:  # CUDA names the device of device and managed memory
+        raise _ConfigError(_not_cuda(obj, argument, "whose __cuda_array_interface__ pointer CUDA "
+                                                    "places on no device"), argument=argument)
     return attributes.device
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from . import _core
 from ._core import DeviceView, Event, PinnedBuffer, Stream
+from ._model_shape import _as_shape
 from .planning import ModelShape, WorkspacePlan, _request_fields, human_bytes
 
 __all__ = ["InferenceContext", "DeviceView", "PinnedBuffer", "Stream", "Event", "logger"]
@@ -68,7 +69,8 @@ class InferenceContext(_core.InferenceContext):
             # Free memory is read now, with the weights already loaded: none are subtracted again.
             plan = WorkspacePlan._from_result(
                 made.request, made.result,
-                {"memory": f"cuda:{self.device}, read now by gen_workspace", "weights": "none"})
+                {"memory": f"cuda:{self.device}, read now by gen_workspace", "weights": "none"},
+                shape=_as_shape(shape))
             changed = self._adopt_plan(plan, made)
         if changed:
             _log_plan(plan, self.device)

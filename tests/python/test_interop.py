@@ -363,3 +363,15 @@ def test_dlpack_import_stream_argument(ctx):
     del a
     gc.collect()
     s.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2**63,), (2**64 + 1, 1), (2**62, 4), (3, 2**63 - 1)])
+def test_new_view_of_a_shape_past_int64_is_refused_naming_shape(ctx, shape):
+    """A size past int64 itself, and sizes whose float32 bytes pass it (2**62 * 4 * 4 bytes,
+    3 * (2**63 - 1) elements): ConfigError, not OverflowError, and nothing allocated."""
+    before = ctx.memory_pool.allocations
+    with pytest.raises(ConfigError) as info:
+        _core._empty(ctx.device, shape, "float32")
+    assert info.value.argument == "shape"
+    assert ctx.memory_pool.allocations == before
