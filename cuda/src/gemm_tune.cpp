@@ -310,6 +310,10 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
   if (!std::isfinite(best_ms)) {
     throw_cublas_error(CUBLAS_STATUS_EXECUTION_FAILED, "cublasLtMatmul (tune_gemm: timing runs failed)", device);
   }
+  if (winner != 0 && default_ms > 0.0 && best_ms > default_ms * (1.0 - kTuneMinGain)) {
+    winner = 0;  // not clearly faster: cublasGemmEx stays
+    best_ms = default_ms;
+  }
 
   const Candidate& win = cands[winner];
   std::shared_ptr<AlgoChoice> tuned = new_choice(p, device);

@@ -1,13 +1,14 @@
 #include "inferctx/pool.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <map>
 #include <string>
-#include <thread>
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
+#include "inferctx/fault.hpp"
 #include "inferctx/stream.hpp"
 
 namespace inferctx {
@@ -23,6 +24,15 @@ PoolRegistry& registry() {
   // Never destroyed: blocks may be freed by owners that outlive static destruction order.
   static PoolRegistry* r = new PoolRegistry();
   return *r;
+}
+
+// A number for the calling thread, never given to another (std::thread::id values are reused
+// once a thread ends, and a block noted on one thread's per-thread stream must not be taken
+// for another's).
+uint64_t this_thread_serial() noexcept {
+  static std::atomic<uint64_t> next{1};
+  thread_local const uint64_t serial = next.fetch_add(1, std::memory_order_relaxed);
+  return serial;
 }
 
 int64_t pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr, int device) {
@@ -131,7 +141,8 @@ int64_t DevicePool::trim(int64_t keep_bytes) {
   // Blocks whose free is still queued (on the free stream or a durable stream) are in use until
   // their stream reaches it.
   const uint64_t before = deferral_mark();
-  INFERCTX_CUDA(cudaDeviceSynchronize(), device_);
+  INFERCTX_CUDA(fault::invoke<cudaError_t>(fault::Site::synchronize, [] { return cudaDeviceSynchronize(); }),
+                device_);
   free_deferred(before);
   INFERCTX_CUDA(cudaStreamSynchronize(free_stream_), device_);
   INFERCTX_CUDA(cudaMemPoolTrimTo(pool_, static_cast<size_t>(keep_bytes)), device_);
@@ -188,6 +199,7 @@ void DevicePool::free_deferred(uint64_t before) noexcept {
   }
   for (void* ptr : blocks) {
     if (cudaFreeAsync(ptr, free_stream_) != cudaSuccess) cudaGetLastError();
+    freed();
   }
 }
 
@@ -196,7 +208,7 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
   bool ordered = !unknown_use;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    --live_;
+    if (ptr == nullptr) --live_;  // the others count until their free is queued
     for (cudaStream_t user : users) {
       ordered = ordered && (user == cudaStreamPerThread ? !other_threads_per_thread_stream : durable(user));
     }
@@ -206,7 +218,10 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
   if (ordered && users.size() == 1) {
     // Used on one durable stream only (the common case): freed in its order, where the next
     // allocation on it takes the block straight back.
-    if (cudaFreeAsync(ptr, users.front()) == cudaSuccess) return;
+    if (cudaFreeAsync(ptr, users.front()) == cudaSuccess) {
+      freed();
+      return;
+    }
     cudaGetLastError();
   }
   if (ordered) {
@@ -234,12 +249,12 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
   if (!ordered) {
     // A use on a stream that may be gone by now, or not known: wait for everything queued.
     const uint64_t before = deferral_mark();
-    if (cudaDeviceSynchronize() != cudaSuccess) {
-      // Refused (another thread captures into a CUDA graph in global mode, or the context
-      // failed): nothing says the users are done, so the block is kept until a later device
-      // synchronisation succeeds (the next such free, or trim()). (A capture on this thread is
-      // invalidated by the attempt; a block used on a stream that is not durable is not to be
-      // let go inside one.)
+    if (fault::invoke<cudaError_t>(fault::Site::synchronize, [] { return cudaDeviceSynchronize(); }) !=
+        cudaSuccess) {
+      // Refused (a thread captures into a CUDA graph on this device, whose capture the attempt
+      // has invalidated, or the context failed): nothing says the users are done, so the block
+      // is kept, and counted, until a later device synchronisation succeeds (the next such
+      // free, or trim()).
       cudaGetLastError();
       std::lock_guard<std::mutex> lock(mutex_);
       deferred_.push_back({ptr, next_deferral_++});
@@ -252,13 +267,19 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
     // The stream-ordered free failed (a context error); a synchronous free is the last resort.
     if (cudaFree(ptr) != cudaSuccess) cudaGetLastError();
   }
+  freed();
+}
+
+void DevicePool::freed() noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  --live_;
 }
 
 PooledAllocation::PooledAllocation(std::shared_ptr<DevicePool> pool, int device, void* ptr, int64_t bytes,
                                    cudaStream_t first)
     : DeviceAllocation(Borrowed{}, device, ptr, bytes), pool_(std::move(pool)) {
   users_.push_back(first);
-  if (first == cudaStreamPerThread) per_thread_users_.push_back(std::this_thread::get_id());
+  if (first == cudaStreamPerThread) per_thread_users_.push_back(this_thread_serial());
 }
 
 PooledAllocation::~PooledAllocation() {
@@ -269,7 +290,8 @@ PooledAllocation::~PooledAllocation() {
     std::lock_guard<std::mutex> lock(mutex_);
     users.swap(users_);
     unknown = unknown_use_;
-    for (std::thread::id id : per_thread_users_) other_threads = other_threads || id != std::this_thread::get_id();
+    const uint64_t me = this_thread_serial();
+    for (uint64_t id : per_thread_users_) other_threads = other_threads || id != me;
   }
   pool_->release(ptr_, users, unknown, other_threads);
   ptr_ = nullptr;
@@ -281,7 +303,7 @@ void PooledAllocation::note_use(cudaStream_t stream) {
   if (std::find(users_.begin(), users_.end(), stream) == users_.end()) users_.push_back(stream);
   if (stream == cudaStreamPerThread) {
     // The handle means this thread's stream: which thread it was decides the free's ordering.
-    const std::thread::id id = std::this_thread::get_id();
+    const uint64_t id = this_thread_serial();
     if (std::find(per_thread_users_.begin(), per_thread_users_.end(), id) == per_thread_users_.end())
       per_thread_users_.push_back(id);
   }

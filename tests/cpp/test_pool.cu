@@ -2,6 +2,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -140,14 +141,22 @@ TEST_CASE("gpu: a use on a thread's per-thread default stream is waited for when
   std::shared_ptr<PooledAllocation> block = pool->allocate(int64_t{n} * 4, cudaStreamPerThread);
   fill<<<(n + 255) / 256, 256, 0, cudaStreamPerThread>>>(static_cast<int*>(block->data()), n, 1);
   check_cuda(cudaStreamSynchronize(cudaStreamPerThread), "cudaStreamSynchronize", kDevice);
+  // The reader thread stays alive until the block is let go: its stream is then still one of a
+  // running thread (whatever CUDA does with a per-thread stream when its thread ends), and the
+  // two threads are certainly two.
+  std::atomic<bool> launched{false}, let_go{false};
   std::thread reader([&] {
     check_cuda(cudaSetDevice(kDevice), "cudaSetDevice", kDevice);
     block->note_use(cudaStreamPerThread);  // the reader thread's own stream
     spin<<<1, 1, 0, cudaStreamPerThread>>>(cycles_per_ms() * 50);
     sum_into<<<(n + 255) / 256, 256, 0, cudaStreamPerThread>>>(static_cast<const int*>(block->data()), n, total);
+    launched = true;
+    while (!let_go) std::this_thread::yield();
   });
-  reader.join();
+  while (!launched) std::this_thread::yield();
   block.reset();  // on this thread, while the reader's stream still has 50 ms to go
+  let_go = true;
+  reader.join();
   CHECK_EQ(reader_total_after_reuse(*pool, n, cudaStreamPerThread, total), static_cast<unsigned long long>(n));
   cudaFree(total);
 }

@@ -370,6 +370,74 @@ def test_a_call_with_a_stream_argument_under_capture_is_captured_and_replays_rig
         assert torch.equal(c, a @ b), seed  # read at once, no synchronize; small integers: exact
 
 
+def test_a_call_refused_after_pulling_its_stream_into_a_capture_joins_it_back(torch, ctx):
+    # stream= outside the capture joins it when the call begins; an argument refused after that
+    # (a wrong out= shape) must join it back, or the capture could not end (unjoined work).
+    side = torch.cuda.Stream()
+    x = _ints(torch, (4096,), 3, torch.float32)
+    a = _ints(torch, (64, 48), 1, torch.float32)
+    b = _ints(torch, (48, 32), 2, torch.float32)
+    inferctx.gemm(a, b, stream=side)  # warm-up: the side stream's cuBLAS workspace
+    torch.cuda.synchronize()
+    wrong = torch.empty(7, device=x.device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = x * 2
+        with pytest.raises(ConfigError) as refused:
+            inferctx.dropout(x, 0.5, out=wrong, stream=side)
+        assert refused.value.argument == "out"
+        with pytest.raises(ConfigError) as refused:
+            inferctx.apply_mask(x, torch.zeros(128, dtype=torch.int32, device=x.device), 0.5,
+                                out=wrong, stream=side)
+        assert refused.value.argument == "out"
+        with pytest.raises(ConfigError) as refused:
+            inferctx.gemm(a, b, out=wrong, stream=side)
+        assert refused.value.argument == "out"
+        z = y + 1
+    for seed in range(3, 6):
+        x.copy_(_ints(torch, (4096,), seed, torch.float32))
+        g.replay()
+        assert torch.equal(z, x * 2 + 1), seed
+
+
+def test_a_default_stream_argument_under_capture_is_refused_naming_stream(torch, ctx):
+    # The legacy default stream cannot join a capture: a clear error, nothing launched, and the
+    # capture goes on.
+    x = _ints(torch, (4096,), 3, torch.float32)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = x * 2
+        for stream in (0, torch.cuda.default_stream(x.device), inferctx.Stream(0)):
+            with pytest.raises(ConfigError, match="cannot join the CUDA graph capture") as refused:
+                inferctx.dropout(x, 0.0, stream=stream)
+            assert refused.value.argument == "stream"
+        z = y + 1
+    g.replay()
+    assert torch.equal(z, x * 2 + 1)
+
+
+def test_stream_wait_on_a_bare_handle_of_a_capturing_stream_forks_the_capture(torch, ctx):
+    # Stream.wait(handle) is how a side stream joins a capture. Asking CUDA for the device of
+    # the capturing handle (cudaStreamGetDevice) would end the capture in error: the device is
+    # found another way.
+    side = inferctx.Stream()
+    x = _ints(torch, (4096,), 3, torch.float32)
+    y = torch.empty_like(x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        capturing = torch.cuda.current_stream()
+        x.add_(1)
+        side.wait(capturing.cuda_stream)  # an int: no device named
+        with torch.cuda.stream(torch.cuda.ExternalStream(side.handle)):
+            y.copy_(x)  # captured on the side stream, after the add
+        capturing.wait_stream(torch.cuda.ExternalStream(side.handle))  # joined back
+    start = x.clone()
+    g.replay()
+    assert torch.equal(y, start + 1)
+
+
 IMPORT_AFTER_WORK_SCRIPT = """
 import sys
 import types

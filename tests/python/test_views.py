@@ -11,6 +11,7 @@ from gpu_context import (KV_SHAPE, KV_TENSOR_BYTES, WORKSPACE_BYTES, ctx,  # noq
                          pinned_of, plan_small)
 
 from inferctx import ConfigError
+from inferctx import _core
 from inferctx._core import DeviceView, _empty
 from inferctx.context import PinnedBuffer
 
@@ -67,6 +68,18 @@ def test_objects_made_by_new_alone_are_refused_or_safe():
     assert run.returncode == 0 and lines[-1:] == ["done"], (run.returncode, lines[-1:], run.stderr[-2000:])
     refused = {line.split()[1] for line in lines if line.startswith("refused ")}
     assert {"DeviceView", "InferenceContext", "MemoryPool"} <= refused, refused
+
+
+def test_a_stream_made_by_new_alone_is_refused_where_a_stream_is_taken():
+    """Its handle is 0, which the handle lookup returned with no exception set: Cython then
+    raised nothing (CPython 3.11: SystemError) or crashed (3.12). Checked before anything else,
+    so on any machine."""
+    from inferctx.context import Stream
+
+    empty = Stream.__new__(Stream)
+    with pytest.raises(ConfigError, match="holds no handle") as refused:
+        _core._as_cuda_array(object(), "x", stream=empty)
+    assert refused.value.argument == "stream"
 
 
 def fill(view, values):

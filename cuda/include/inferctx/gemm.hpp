@@ -134,10 +134,16 @@ struct GemmTuneResult {
   int rotated_sets = 1;        // operand copies cycled through so that no run hits in L2
 };
 
+// A cuBLASLt algorithm replaces cublasGemmEx (torch.matmul's call, and its bits) only when its
+// median time is at least this fraction below cublasGemmEx's: medians of a few batches differ by
+// noise of about that size, and a win on noise would give up torch's bits for nothing.
+inline constexpr double kTuneMinGain = 0.01;
+
 // Times cublasGemmEx (what gemm runs untuned) and cuBLASLt's candidate algorithms for
 // `problem` on operands it allocates and fills with random values (256-byte aligned, laid out
 // as the problem says), keeps the fastest whose result matches cublasGemmEx's within the
-// dtype's tolerance, and caches it for this device. Synchronises `stream`. Needs
+// dtype's tolerance (cublasGemmEx unless another beats it by kTuneMinGain), and caches it for
+// this device. Synchronises `stream`. Needs
 // m, n, k, batch >= 1 (ConfigError). Same concurrency rule as gemm.
 GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
                          const GemmTuneOptions& options = GemmTuneOptions());

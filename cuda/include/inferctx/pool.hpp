@@ -14,8 +14,11 @@
 // pool's own, and those note_durable names: the contexts' own and comm streams); a use on any
 // other stream (the per-thread default stream of another thread than the freeing one included:
 // that handle names the calling thread's), or an unknown use, is waited for by a device-wide
-// synchronisation before the free. Where that synchronisation is refused (another thread
-// captures into a CUDA graph), the block stays allocated until a later one succeeds.
+// synchronisation before the free. That synchronisation is refused while any thread captures
+// into a CUDA graph on the device, and the attempt invalidates that capture, in every capture
+// mode: a block used on such a stream is not to be let go while a capture is in progress. Where
+// it is refused, the block stays allocated (and counted) until a later one succeeds (the next
+// such free, or trim()).
 // So memory is never handed out again while any stream that was seen using it may still do so.
 #pragma once
 
@@ -24,7 +27,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #include "inferctx/memory.hpp"
@@ -36,7 +38,7 @@ struct PoolStats {
   int64_t used_bytes;           // of which handed out
   int64_t peak_reserved_bytes;  // high-water marks since the pool was made or reset_peak()
   int64_t peak_used_bytes;
-  int64_t allocations;          // blocks handed out and not yet freed
+  int64_t allocations;          // blocks handed out and not yet freed (deferred frees included)
 };
 
 class DevicePool;
@@ -56,7 +58,7 @@ class PooledAllocation final : public DeviceAllocation {
   std::shared_ptr<DevicePool> pool_;
   std::mutex mutex_;
   std::vector<cudaStream_t> users_;
-  std::vector<std::thread::id> per_thread_users_;  // threads that noted cudaStreamPerThread
+  std::vector<uint64_t> per_thread_users_;  // threads (this_thread_serial) that noted cudaStreamPerThread
   bool unknown_use_ = false;
 };
 
@@ -99,6 +101,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // Frees the blocks deferred before `before` was taken (after a device synchronisation that
   // began after it).
   void free_deferred(uint64_t before) noexcept;
+  void freed() noexcept;  // a block's free is queued: one allocation fewer
 
   int device_ = 0;
   cudaMemPool_t pool_ = nullptr;
