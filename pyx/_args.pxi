@@ -2,7 +2,7 @@
 # that names the argument, the value it got and what is valid.
 
 from cpython.long cimport PyLong_AsLongLongAndOverflow
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport INT64_MAX, int64_t, uint64_t
 
 from inferctx._decl_gpu cimport check_device_ordinal, current_device
 
@@ -110,5 +110,8 @@ cdef tuple _shape_arg(object shape, str argument):
         if n < -1:
             raise _ConfigError(f"{argument}: got {shape!r}; sizes must be >= 0 (one may be -1 to "
                                f"take what is left)", argument=argument)
+        if n > INT64_MAX:
+            raise _ConfigError(f"{argument}: got {shape!r}; a size must be below 2**63",
+                               argument=argument)
         out.append(n)
     return tuple(out)

@@ -8,12 +8,31 @@ from libcpp.utility cimport pair
 
 from inferctx._decl_gpu cimport (
     CppEvent, CppInferenceContext, DeviceAllocation, check_cuda, cudaError_t, cudaEventRecord,
-    cudaEvent_t, cudaGetDevice, cudaSetDevice, cudaStreamWaitEvent, cudaStream_t, cudaSuccess)
+    cudaErrorStreamCaptureImplicit, cudaEvent_t, cudaGetDevice, cudaGetLastError, cudaSetDevice,
+    cudaStreamCaptureStatus, cudaStreamCaptureStatusNone, cudaStreamGetCaptureInfo,
+    cudaStreamWaitEvent, cudaStream_t, cudaSuccess)
 from inferctx._decl_planner cimport PlanRequest, WorkspacePlan
 
 
+cdef unsigned long long _capture_id(cudaStream_t stream, cudaError_t* error) noexcept nogil:
+    """0 for a stream that is not being captured into a CUDA graph, else its capture's id (never
+    0); -1 when CUDA will not say: the legacy stream asked while a blocking stream captures, or
+    an error, which goes to `error` (a stream that does not exist, say)."""
+    cdef cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone
+    cdef unsigned long long capture_id = 0
+    cdef cudaError_t status = cudaStreamGetCaptureInfo(stream, &capture, &capture_id)
+    if status != cudaSuccess:
+        cudaGetLastError()
+        if status != cudaErrorStreamCaptureImplicit and error[0] == cudaSuccess:
+            error[0] = status
+        return <unsigned long long>-1
+    if capture == cudaStreamCaptureStatusNone:
+        return 0
+    return capture_id if capture_id != 0 else <unsigned long long>-1
+
+
 cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t producer,
-                                   cudaStream_t consumer) noexcept nogil:
+                                   cudaStream_t consumer, bint fork) noexcept nogil:
     # On `device`, which the special handles (legacy, per-thread) refer to; the caller's device
     # is restored.
     cdef int previous = -1
@@ -24,12 +43,37 @@ cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t p
         status = cudaSetDevice(device)
         if status != cudaSuccess:
             return status
-    status = cudaEventRecord(event, producer)
-    if status == cudaSuccess:
-        status = cudaStreamWaitEvent(consumer, event, 0)
+    # Under CUDA-graph capture only some edges are allowed (anything else invalidates the
+    # capture): between streams of one capture; and, with `fork`, from a capturing stream to one
+    # that is not, which then joins the capture (CUDA's fork pattern: the caller joins it back
+    # once the work is queued). A capture never waits for work outside it: that work is ordered
+    # by where the graph is launched.
+    cdef unsigned long long unknown = <unsigned long long>-1
+    cdef unsigned long long p = _capture_id(producer, &status)
+    cdef unsigned long long c = _capture_id(consumer, &status)
+    if status != cudaSuccess:
+        pass  # a stream that does not exist: reported by _order
+    elif fork and c == 0 and p != 0 and p != unknown and <uintptr_t>consumer <= 2:
+        # A default stream (legacy 1, per-thread 2) cannot join a capture: _order says so.
+        status = cudaErrorStreamCaptureImplicit
+    elif (p == c and p != unknown) or (fork and c == 0 and p != 0 and p != unknown):
+        status = cudaEventRecord(event, producer)
+        if status == cudaSuccess:
+            status = cudaStreamWaitEvent(consumer, event, 0)
+    # else the edge cannot be made (see above): status stays cudaSuccess
     if previous != device:
         cudaSetDevice(previous)
     return status
+
+
+cdef bint _released_now(InferenceContext ctx):
+    """ctx._c.released() without the GIL: it waits for the context's mutex, which a release or
+    retake holds while it copies and (un)maps, and other Python threads go on meanwhile (a host
+    callback queued before the release may need the GIL to finish)."""
+    cdef bint released
+    with nogil:
+        released = ctx._c.released()
+    return released
 
 
 cdef bint _same_arguments(tuple a, tuple b):
@@ -86,11 +130,19 @@ cdef class InferenceContext:
     cdef Stream _own_stream_obj
     cdef Stream _comm_stream_obj
     cdef object _adopted
+    cdef bint _own_stream_served  # ctx.stream was the own stream (no torch or CuPy imported yet)
+    # gen_workspace's compiled and Python halves (the plan made, then the layout and plan adopted
+    # for the view accessors) under one lock, so that concurrent calls cannot interleave them;
+    # use_stream's C++ stream and the Python object it keeps alive likewise.
+    cdef readonly object _workspace_lock
+    cdef object _stream_lock
     cdef object __weakref__
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError("use InferenceContext.instance(device=None): there is one context per "
-                        "device")
+    def __cinit__(self, *args, **kwargs):
+        # InferenceContext.__new__(InferenceContext) from Python would have no C++ context.
+        if kwargs or len(args) != 1 or args[0] is not _MAKE:
+            raise TypeError("use InferenceContext.instance(device=None): there is one context "
+                            "per device")
 
     @classmethod
     def instance(cls, device=None):
@@ -177,7 +229,9 @@ cdef class InferenceContext:
 
     cdef DeviceView _region(self, int64_t offset, int64_t nbytes, int dtype, str what):
         self._require_plan(what)
-        cdef shared_ptr[DeviceAllocation] ws = self._c.workspace()
+        cdef shared_ptr[DeviceAllocation] ws
+        with nogil:  # waits for mutex_, which a release holds while it copies and unmaps
+            ws = self._c.workspace()
         cdef int64_t n = nbytes // _DTYPE_ITEMSIZE[dtype]
         return _make_view(ws, offset, (n,), n, dtype, self)
 
@@ -222,7 +276,9 @@ cdef class InferenceContext:
         if l < 0 or l >= self._num_layers:
             raise _ConfigError(f"layer: got {l}; valid: 0..{self._num_layers - 1} (the plan's "
                                f"num_layers is {self._num_layers})", argument="layer")
-        cdef shared_ptr[DeviceAllocation] ws = self._c.workspace()
+        cdef shared_ptr[DeviceAllocation] ws
+        with nogil:
+            ws = self._c.workspace()
         cdef int64_t key = self._kv_offset + l * self._kv_layer_stride
         return (_make_view(ws, key, self._kv_shape, self._kv_size, self._dtype, self),
                 _make_view(ws, key + self._kv_value_offset, self._kv_shape, self._kv_size,
@@ -236,12 +292,15 @@ cdef class InferenceContext:
     @property
     def released(self):
         """True after release_workspace, until retake_workspace or gen_workspace."""
-        return self._c.released()
+        return _released_now(self)
 
     @property
     def views_alive(self):
         """Views of the workspace alive now (DeviceViews, DLPack capsules, arrays made from them)."""
-        return self._c.views_alive()
+        cdef int64_t n
+        with nogil:
+            n = self._c.views_alive()
+        return n
 
     @property
     def addresses_stable(self):
@@ -265,12 +324,18 @@ cdef class InferenceContext:
     def held_bytes(self):
         """Device memory the workspace holds now: at least ``workspace_bytes`` while held (a
         larger allocation kept for a smaller plan counts whole), 0 while released."""
-        return self._c.held_bytes()
+        cdef int64_t n
+        with nogil:
+            n = self._c.held_bytes()
+        return n
 
     @property
     def host_copy_bytes(self):
         """Page-locked host memory held for ``release_workspace(keep_contents=True)`` (0: none)."""
-        return self._c.host_copy_bytes()
+        cdef int64_t n
+        with nogil:
+            n = self._c.host_copy_bytes()
+        return n
 
     def release_workspace(self, force=False, *, keep_contents=False):
         """Gives the workspace's device memory back, keeping the plan.
@@ -412,21 +477,32 @@ cdef class InferenceContext:
         cdef uintptr_t handle = 0
         if stream is not None:
             handle = _checked_stream(stream, self.device, "stream")
-        with nogil:
-            self._c.use_stream(<cudaStream_t>handle)
-        self._adopted = stream
+        with self._stream_lock:
+            with nogil:
+                self._c.use_stream(<cudaStream_t>handle)
+            self._adopted = stream
 
     def sync_comp(self):
-        """The comm stream waits (on the GPU) for the work queued so far on ``ctx.stream``."""
+        """The comm stream waits (on the GPU) for the work queued so far on ``ctx.stream``.
+
+        In a program that imported both torch and CuPy, and adopted no stream, also for the
+        work on CuPy's current stream (where a CuPy caller's kernels ran)."""
         cdef uintptr_t compute = _ctx_stream(self)
+        cdef uintptr_t cupy_stream = _cupy_stream_too(self, compute)
         with nogil:
             self._c.sync_comp(<cudaStream_t>compute)
+            if cupy_stream != 0:
+                self._c.sync_comp(<cudaStream_t>cupy_stream)
 
     def sync_comm(self):
-        """``ctx.stream`` waits (on the GPU) for the work queued so far on the comm stream."""
+        """``ctx.stream`` waits (on the GPU) for the work queued so far on the comm stream; with
+        torch and CuPy both imported and no stream adopted, CuPy's current stream waits too."""
         cdef uintptr_t compute = _ctx_stream(self)
+        cdef uintptr_t cupy_stream = _cupy_stream_too(self, compute)
         with nogil:
             self._c.sync_comm(<cudaStream_t>compute)
+            if cupy_stream != 0:
+                self._c.sync_comm(<cudaStream_t>cupy_stream)
 
     @property
     def cublas_handle(self):
@@ -444,8 +520,10 @@ cdef class InferenceContext:
         cdef int cc = self._c.compute_capability()
         return (cc // 10, cc % 10)
 
-    cdef int _order(self, uintptr_t producer, uintptr_t consumer) except -1:
-        """Makes `consumer` wait on the GPU for the work queued so far on `producer`."""
+    cdef int _order(self, uintptr_t producer, uintptr_t consumer, bint fork=False) except -1:
+        """Makes `consumer` wait on the GPU for the work queued so far on `producer`. Under
+        CUDA-graph capture, only where CUDA allows it (_record_then_wait); `fork` lets a stream
+        that is not capturing join a capturing `producer`, for a caller that joins it back."""
         if producer == consumer:
             return 0
         cdef cudaError_t status
@@ -453,8 +531,14 @@ cdef class InferenceContext:
         with nogil:
             self._handshake_lock.lock()
             status = _record_then_wait(self.device, event.handle(), <cudaStream_t>producer,
-                                       <cudaStream_t>consumer)
+                                       <cudaStream_t>consumer, fork)
             self._handshake_lock.unlock()
+        if status == cudaErrorStreamCaptureImplicit and fork:
+            raise _ConfigError(
+                "stream: is a default stream (legacy or per-thread), which cannot join the CUDA "
+                "graph capture its inputs are being captured in; pass a stream made for it "
+                "(torch.cuda.Stream(), inferctx.Stream()), or no stream= to run on the capturing "
+                "stream", argument="stream")
         if status != cudaSuccess:
             check_cuda(status, "cudaEventRecord + cudaStreamWaitEvent (stream handshake)",
                        self.device)
@@ -463,7 +547,7 @@ cdef class InferenceContext:
     def __repr__(self):
         if self._plan is None:
             state = "no workspace"
-        elif self._c.released():
+        elif _released_now(self):
             state = f"workspace released ({self._plan.max_tokens} tokens planned)"
         else:
             state = f"workspace {self._workspace_bytes} bytes, {self._plan.max_tokens} tokens"

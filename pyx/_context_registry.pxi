@@ -9,6 +9,8 @@ from inferctx._decl_gpu cimport (
     CppEvent, CppInferenceContext, DevicePool, cudaError_t, cudaGetDevice, cudaGetLastError,
     cudaSuccess)
 
+import threading as _threading
+
 
 # device ordinal -> its InferenceContext; contexts live as long as the process, as in C++.
 cdef dict _contexts = {}
@@ -59,10 +61,12 @@ cdef InferenceContext _create_context(int device):
     if found is not None:
         return <InferenceContext>found
     cls = InferenceContext if _context_class is None else _context_class
-    cdef InferenceContext ctx = cls.__new__(cls)
+    cdef InferenceContext ctx = cls.__new__(cls, _MAKE)
     ctx._owner = owner
     ctx._c = owner.get()
     ctx.device = d
+    ctx._workspace_lock = _threading.Lock()
+    ctx._stream_lock = _threading.Lock()
     cdef shared_ptr[DevicePool] pool
     with nogil:
         ctx._handshake.reset(new CppEvent(d, False))

@@ -9,7 +9,9 @@
 # - ctx.stream is the stream use_stream() adopted, or else DeepSpeed's "current stream": torch's
 #   current stream of the context's device once torch is imported, else CuPy's once CuPy is
 #   imported, else the context's own stream. So "a kernel, then sync_comp(), then work on
-#   comm_stream" is ordered without a use_stream call.
+#   comm_stream" is ordered without a use_stream call; with torch and CuPy both imported (and
+#   no stream adopted) sync_comp / sync_comm also order CuPy's current stream, where a CuPy
+#   caller's kernels ran.
 # - Ordering. The caller's streams are the current streams of the operands' packages (and
 #   ctx.stream for package-less operands). Where one differs from the stream the work runs on,
 #   the work first waits for it (inputs are read after their producer's pending work, and out=
@@ -57,7 +59,6 @@ cdef int _refresh_packages() except -1:
     cdef Py_ssize_t modules = len(_sys.modules)
     if modules == _modules_seen:
         return 0
-    _modules_seen = modules
     if _torch_tensor is None:
         torch = _sys.modules.get("torch")
         if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "bfloat16"):
@@ -85,6 +86,8 @@ cdef int _refresh_packages() except -1:
         if cupy is not None and hasattr(cupy, "ndarray") and hasattr(cupy, "cuda"):
             _cupy = cupy
             _cupy_ndarray = cupy.ndarray
+    # Last: a thread that finds the count unchanged must find the types learned above.
+    _modules_seen = modules
     return 0
 
 
@@ -125,11 +128,35 @@ cdef uintptr_t _ctx_stream(InferenceContext ctx) except 0:
         return <uintptr_t>ctx._c.stream()
     if _torch_tensor is None or _cupy_ndarray is None:
         _refresh_packages()
-    if _torch_tensor is not None:
-        return _package_stream(PKG_TORCH, ctx.device)
-    if _cupy_ndarray is not None:
-        return _package_stream(PKG_CUPY, ctx.device)
+    cdef uintptr_t s
+    if _torch_tensor is not None or _cupy_ndarray is not None:
+        s = _package_stream(PKG_TORCH if _torch_tensor is not None else PKG_CUPY, ctx.device)
+        if ctx._own_stream_served:
+            # torch or CuPy was imported after ctx.stream was the context's own stream: what was
+            # queued there (kernels, copies, results still to be read) comes before the new one.
+            ctx._own_stream_served = False
+            ctx._order(<uintptr_t>ctx._c.own_stream(), s)
+        return s
+    ctx._own_stream_served = True
     return <uintptr_t>ctx._c.own_stream()
+
+
+cdef uintptr_t _cupy_stream_too(InferenceContext ctx, uintptr_t ctx_stream) except? 0:
+    """CuPy's current stream on ctx's device where torch's current stream is ctx.stream (torch
+    and CuPy both imported, no stream adopted) and the two differ, neither being captured into
+    a CUDA graph; else 0. A CuPy caller's kernels run on CuPy's stream, so sync_comp / sync_comm
+    order that one too."""
+    if ctx._adopted is not None or _torch_tensor is None or _cupy_ndarray is None:
+        return 0
+    cdef uintptr_t s = _package_stream(PKG_CUPY, ctx.device)
+    if s == ctx_stream:
+        return 0
+    cdef cudaError_t ignored = cudaSuccess  # a stream that does not exist: sync_comp reports it
+    with nogil:  # under CUDA-graph capture the extra join could cross a capture's boundary
+        if (_capture_id(<cudaStream_t>s, &ignored) != 0
+                or _capture_id(<cudaStream_t>ctx_stream, &ignored) != 0):
+            s = 0
+    return s
 
 
 cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0:
@@ -137,41 +164,31 @@ cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0
     `argument` otherwise, before anything is launched."""
     cdef uintptr_t handle = _stream_handle(stream, argument)
     cdef int on = -1
-    cdef cudaError_t status
     if handle <= <uintptr_t>cudaStreamPerThread:
-        return handle  # the default streams of the current device: inferctx runs on ctx's
+        # The default streams of whichever device is current: inferctx runs them on ctx's. An
+        # object that says it is of another device (torch.cuda.default_stream(1)) is refused.
+        on = _declared_device(stream)
+        if on >= 0 and on != device:
+            raise _ConfigError(f"{argument}: is the default stream of cuda:{on} but the operands "
+                               f"are on cuda:{device}; pass a stream of cuda:{device}",
+                               argument=argument)
+        return handle
     if not isinstance(stream, Stream) and stream_was_destroyed(<cudaStream_t>handle):
         raise _ConfigError(
             f"{argument}: {_type_name(stream)} {handle:#x} is the handle of an inferctx.Stream that "
             f"was destroyed; pass {_STREAM_LIKE} of cuda:{device} that exists", argument=argument)
-    cdef cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone
-    cdef bint ours
     if isinstance(stream, Stream):
         on = (<Stream>stream)._device
     else:
-        # Asking a capturing stream for its device (cudaStreamGetDevice) would end the capture in
-        # error; whether it captures can be asked, and a handle that is no stream fails there.
-        with nogil:
-            status = cudaStreamIsCapturing(<cudaStream_t>handle, &capture)
-            if status == cudaSuccess and capture == cudaStreamCaptureStatusNone:
-                status = cudaStreamGetDevice(<cudaStream_t>handle, &on)
-        if status == cudaSuccess and capture != cudaStreamCaptureStatusNone:
-            on = _stream_device(stream, handle)  # what a torch or CuPy stream says
-            if on < 0:  # a handle: its CUDA context, which may be asked under capture
-                with nogil:
-                    ours = stream_is_on_device(<cudaStream_t>handle, device)
-                if ours:
-                    return handle
+        # What a torch or CuPy stream says (no CUDA call, none that could disturb a capture),
+        # else CUDA's answer for the handle.
+        on = _declared_device(stream)
+        if on < 0:
+            on = _handle_device(handle, device, argument, stream)
+            if on < 0:
                 raise _ConfigError(f"{argument}: {handle:#x} is a stream of another device than "
                                    f"the operands' cuda:{device}; pass a stream of cuda:{device}",
                                    argument=argument)
-        elif status != cudaSuccess:
-            with nogil:
-                cudaGetLastError()
-            raise _ConfigError(
-                f"{argument}: {_type_name(stream)} {handle:#x} is not a CUDA stream that exists "
-                f"(destroyed, or not a stream handle); pass {_STREAM_LIKE} of cuda:{device}",
-                argument=argument)
     if on != device:
         raise _ConfigError(f"{argument}: is a stream of cuda:{on} but the operands are on "
                            f"cuda:{device}; pass a stream of cuda:{device}", argument=argument)
@@ -226,8 +243,8 @@ cdef CudaArray _from_torch(object t, str argument):
     cdef int device = t.get_device()
     if dt is None or device < 0:
         return None
-    return _cuda_array(<uintptr_t>t.data_ptr(), tuple(t.shape), t.stride(), <int>dt, device, t,
-                       False)
+    return _cuda_array(<uintptr_t>t.data_ptr(), tuple(t.shape), t.stride(), t.numel(), <int>dt,
+                       device, t, False)
 
 
 cdef CudaArray _from_cupy(object a, str argument):
@@ -239,8 +256,8 @@ cdef CudaArray _from_cupy(object a, str argument):
         s % itemsize == 0 for s in a.strides) else None
     if strides is None:
         return None
-    return _cuda_array(<uintptr_t>a.data.ptr, tuple(a.shape), strides, <int>dt, a.device.id, a,
-                       False)
+    return _cuda_array(<uintptr_t>a.data.ptr, tuple(a.shape), strides, a.size, <int>dt, a.device.id,
+                       a, False)
 
 
 cdef class _Call:
@@ -290,12 +307,25 @@ cdef class _Call:
                 self.ctx._order(self.kernel, <uintptr_t>s)
         return 0
 
+    cdef int abandon(self) except -1:
+        """finish() for a call given up after _begin_call (an argument refused, a launch that
+        failed): a stream it made join a CUDA-graph capture is joined back, or the capture could
+        not end. A failure here gives way to the error that ended the call."""
+        try:
+            self.finish()
+        except Exception:
+            pass
+        return 0
+
     # Python-level access for python/inferctx/gemm.py
     def import_array(self, obj, argument):
         return self.array(obj, argument)
 
     def done(self):
         self.finish()
+
+    def given_up(self):
+        self.abandon()
 
 
 cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x"):
@@ -331,6 +361,11 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x")
         context = _context_of(device)
     elif isinstance(ctx, InferenceContext):
         context = <InferenceContext>ctx
+        if device != context.device:  # the operand's device: ctx is the one to blame
+            raise _ConfigError(f"ctx: the operands are on cuda:{device} but ctx is the context "
+                               f"of cuda:{context.device}; pass "
+                               f"ctx=InferenceContext.instance({device}) or leave ctx=None",
+                               argument="ctx")
     else:
         raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
                            f"None", argument="ctx")
@@ -358,7 +393,7 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x")
     call._joins = joins
     if joins is not None:
         for s in joins:
-            context._order(s, call.kernel)
+            context._order(s, call.kernel, True)  # finish() joins the kernel stream back
     return call
 
 

@@ -24,7 +24,6 @@ cdef extern from "inferctx/gemm.hpp" namespace "inferctx" nogil:
         int warmup
         int repeats
         double min_batch_ms
-        bool include_cublas
 
     cdef cppclass GemmTuneResult:
         int backend

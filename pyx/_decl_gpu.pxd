@@ -18,6 +18,7 @@ cdef extern from "cuda_runtime_api.h" nogil:
     ctypedef enum cudaError_t:
         cudaSuccess
         cudaErrorNotReady
+        cudaErrorStreamCaptureImplicit
 
     ctypedef void* cudaStream_t
     ctypedef void* cudaEvent_t
@@ -48,6 +49,9 @@ cdef extern from "cuda_runtime_api.h" nogil:
         cudaStreamCaptureStatusActive
         cudaStreamCaptureStatusInvalidated
     cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status)
+    # The later arguments (graph, dependencies) keep their C++ defaults.
+    cudaError_t cudaStreamGetCaptureInfo(cudaStream_t stream, cudaStreamCaptureStatus* status,
+                                         unsigned long long* capture_id)
 
 
 cdef extern from "cublas_v2.h" nogil:
@@ -104,6 +108,7 @@ cdef extern from "inferctx/stream.hpp" namespace "inferctx" nogil:
         bool timing()
         void record(cudaStream_t stream) except +raise_inferctx_error
         void make_wait(cudaStream_t stream) except +raise_inferctx_error
+        void make_wait(cudaStream_t stream, int stream_device) except +raise_inferctx_error
         bool query() except +raise_inferctx_error
         void synchronize() except +raise_inferctx_error
         float elapsed_ms_since(const CppEvent& start) except +raise_inferctx_error

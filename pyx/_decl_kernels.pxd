@@ -4,7 +4,7 @@
 from libc.stdint cimport int64_t, uint64_t
 
 from inferctx._decl_errors cimport raise_inferctx_error
-from inferctx._decl_gpu cimport PhiloxSource, cudaStream_t
+from inferctx._decl_gpu cimport GraphRng, PhiloxSource, cudaStream_t
 
 
 cdef extern from "inferctx/dropout.hpp" namespace "inferctx" nogil:
@@ -16,6 +16,10 @@ cdef extern from "inferctx/dropout.hpp" namespace "inferctx" nogil:
     void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p,
                          int mask_mode, const PhiloxSource& source, cudaStream_t stream,
                          int device, int max_blocks) except +raise_inferctx_error
+    # The same drawing from a context's GraphRng once the arguments are checked.
+    void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p,
+                         int mask_mode, GraphRng& rng, cudaStream_t stream, int device,
+                         int max_blocks) except +raise_inferctx_error
     void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype,
                             double p, int mask_mode, cudaStream_t stream, int device,
                             int max_blocks) except +raise_inferctx_error

@@ -30,7 +30,8 @@ cdef extern from *:
 
 
 # fault::Site, by name (the order of the enum).
-_FAULT_SITES = ("device_alloc", "pinned_alloc", "virtual_memory", "event", "stream", "cublas")
+_FAULT_SITES = ("device_alloc", "pinned_alloc", "virtual_memory", "event", "stream", "cublas",
+                "synchronize")
 
 
 cdef int _fault_site(site) except -1:

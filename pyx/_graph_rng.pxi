@@ -19,13 +19,13 @@ cdef int _dropout_launch(InferenceContext context, const void* x, void* y, void*
     """Queues dropout_forward on `stream` with the Philox state (seed, offset) when `fixed`, else
     the context's: increment_offset(4) eagerly, a graph call site under capture."""
     cdef CppInferenceContext* cx = context._c
-    cdef PhiloxSource source
     with nogil:
         if fixed:
-            source = PhiloxSource.host(seed, offset)
-        else:
-            source = cx.graph_rng().draw(<cudaStream_t>stream, 4)
-        dropout_forward(x, y, mask, n, dtype, p, mode, source, <cudaStream_t>stream, device, 0)
+            dropout_forward(x, y, mask, n, dtype, p, mode, PhiloxSource.host(seed, offset),
+                            <cudaStream_t>stream, device, 0)
+        else:  # drawn once the arguments passed: a refused call takes no offset or call site
+            dropout_forward(x, y, mask, n, dtype, p, mode, cx.graph_rng(), <cudaStream_t>stream,
+                            device, 0)
     return 0
 
 

@@ -2,7 +2,7 @@
 # (a DeviceView, a DLPack exporter, a __cuda_array_interface__ exporter) is reduced to a
 # pointer, a shape, strides in elements, a dtype and an owner that keeps the memory alive.
 
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport INT64_MAX, int64_t, uintptr_t
 
 from inferctx._decl_dlpack cimport (
     DLPACK_FLAG_BITMASK_READ_ONLY, DLTensor, kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged)
@@ -57,12 +57,38 @@ cdef bint _is_contiguous(tuple shape, tuple strides):
     return True
 
 
-cdef CudaArray _cuda_array(uintptr_t ptr, tuple shape, tuple strides, int dtype, int device,
-                           object owner, bint read_only):
-    cdef CudaArray a = CudaArray.__new__(CudaArray)
+cdef int64_t _shape_size(tuple shape, int64_t itemsize, str argument) except -1:
+    """Elements of `shape`; ConfigError naming `argument` for a negative size, or for more bytes
+    than an int64 counts (a lying producer: the product would wrap, and a kernel would size its
+    result from the wrapped count)."""
     cdef int64_t size = 1
+    cdef int64_t d
+    cdef bint zero = False
+    cdef bint too_big = False
     for n in shape:
-        size *= <int64_t>n
+        d = n
+        if d < 0:
+            raise _ConfigError(f"{argument}: shape {shape} has a negative size", argument=argument)
+        if d == 0:
+            zero = True
+        elif not too_big:
+            if size > INT64_MAX // d:
+                too_big = True
+            else:
+                size *= d
+    if zero:
+        return 0
+    if too_big or size > INT64_MAX // itemsize:
+        raise _ConfigError(f"{argument}: shape {shape} of {itemsize}-byte items is more than "
+                           f"2**63 - 1 bytes", argument=argument)
+    return size
+
+
+cdef CudaArray _cuda_array(uintptr_t ptr, tuple shape, tuple strides, int64_t size, int dtype,
+                           int device, object owner, bint read_only):
+    """`size`: the elements of `shape` (its producer's count, or _shape_size's for producers
+    that may lie)."""
+    cdef CudaArray a = CudaArray.__new__(CudaArray)
     _require_mapped(ptr, size * _DTYPE_ITEMSIZE[dtype], device)
     a.ptr = ptr
     a.shape = shape
@@ -115,10 +141,10 @@ cdef CudaArray as_cuda_array(object obj, str argument, uintptr_t stream):
 
 cdef CudaArray _from_device_view(DeviceView view, uintptr_t stream):
     if stream != 0:
-        view._ctx._order(_ctx_stream(view._ctx), stream)
+        view._ctx._order(_ctx_stream(view._ctx), stream, True)  # as _begin_call's joins
     _note_use(view, stream)
-    return _cuda_array(view._ptr, view._shape, _contiguous_strides(view._shape), view._dtype,
-                       view._device, view, False)
+    return _cuda_array(view._ptr, view._shape, _contiguous_strides(view._shape), view._size,
+                       view._dtype, view._device, view, False)
 
 
 cdef CudaArray _from_dlpack(object obj, str argument, uintptr_t stream):
@@ -150,11 +176,12 @@ cdef CudaArray _from_dlpack(object obj, str argument, uintptr_t stream):
     cdef int ndim = tensor.ndim
     cdef int i
     shape = tuple([tensor.shape[i] for i in range(ndim)])
+    cdef int64_t size = _shape_size(shape, _DTYPE_ITEMSIZE[<int>dtype], argument)
     if tensor.strides == NULL:  # allowed before DLPack 1.2: C-contiguous
         strides = _contiguous_strides(shape)
     else:
         strides = tuple([tensor.strides[i] for i in range(ndim)])
-    return _cuda_array(<uintptr_t>tensor.data + <uintptr_t>tensor.byte_offset, shape, strides,
+    return _cuda_array(<uintptr_t>tensor.data + <uintptr_t>tensor.byte_offset, shape, strides, size,
                        dtype, tensor.device.device_id, taken,
                        (_import_flags(taken) & DLPACK_FLAG_BITMASK_READ_ONLY) != 0)
 
@@ -179,6 +206,7 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
                            f"(little-endian {', '.join(_DTYPE_NAMES)})", argument=argument)
     cdef int64_t itemsize = _DTYPE_ITEMSIZE[<int>dtype]
     shape = _interface_ints(obj, argument, "shape", interface["shape"], False)
+    cdef int64_t size = _shape_size(shape, itemsize, argument)
     data = interface["data"]
     if not isinstance(data, tuple) or len(data) != 2:
         _bad_interface(obj, argument, f"'data' is {data!r}; the interface gives (pointer, read_only)")
@@ -211,7 +239,7 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
                                f"the interface allows None, 1, 2 or a stream handle",
                                argument=argument)
         _context_of(device)._order(<uintptr_t>producer, stream)
-    return _cuda_array(ptr, shape, strides, dtype, device, obj, True if read_only else False)
+    return _cuda_array(ptr, shape, strides, size, dtype, device, obj, True if read_only else False)
 
 
 cdef int _bad_interface(object obj, str argument, str what) except -1:
@@ -251,6 +279,9 @@ cdef int _pointer_device(uintptr_t ptr, object obj, str argument) except -1:
     if attributes.type != cudaMemoryTypeDevice and attributes.type != cudaMemoryTypeManaged:
         raise _ConfigError(_not_cuda(obj, argument, "whose __cuda_array_interface__ pointer is "
                                                     "not device memory"), argument=argument)
+    if attributes.device < 0:  # CUDA names the device of device and managed memory
+        raise _ConfigError(_not_cuda(obj, argument, "whose __cuda_array_interface__ pointer CUDA "
+                                                    "places on no device"), argument=argument)
     return attributes.device
 
 

@@ -137,7 +137,8 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
         if done is not None:
             return done
     cdef double prob = _probability_arg(p)
-    if mask not in _MASK_MODES:
+    # (a list or dict would make the lookup raise TypeError: unhashable)
+    if not (mask is None or isinstance(mask, str)) or mask not in _MASK_MODES:
         raise _ConfigError(f"mask: got {mask!r}; valid: 'bits' (default), 'bytes' or None",
                            argument="mask")
     cdef int mode = _MASK_MODES[mask]
@@ -148,6 +149,18 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
         raise _ConfigError("mask_out: given with mask=None; pass mask='bits' or 'bytes'",
                            argument="mask_out")
     cdef _Call call = _begin_call((x, out, mask_out), ctx, stream)
+    try:
+        done = _dropout_on(call, x, prob, out, mode, mask_out, seed, offset)
+    except BaseException:
+        call.abandon()
+        raise
+    call.finish()
+    return done
+
+
+cdef tuple _dropout_on(_Call call, object x, double prob, object out, int mode, object mask_out,
+                       object seed, object offset):
+    """dropout's checks, results and launch on a begun call (see dropout)."""
     cdef InferenceContext context = call.ctx
     cdef CudaArray a = call.array(x, "x")
     cdef int dtype = _kernel_dtype(a, "x")
@@ -185,7 +198,6 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     # unless seed/offset were given.
     _dropout_launch(context, xp, yp, <void*>mask_ptr, n, dtype, prob, mode, seed is not None, s, o,
                     call.kernel, dev)
-    call.finish()
     return y, m
 
 
@@ -251,6 +263,17 @@ def apply_mask(grad, mask, p, *, ctx=None, out=None, stream=None):
     """
     cdef double prob = _probability_arg(p)
     cdef _Call call = _begin_call((grad, mask, out), ctx, stream, "grad")
+    try:
+        result = _apply_mask_on(call, grad, mask, prob, out)
+    except BaseException:
+        call.abandon()
+        raise
+    call.finish()
+    return result
+
+
+cdef object _apply_mask_on(_Call call, object grad, object mask, double prob, object out):
+    """apply_mask's checks, result and launch on a begun call (see apply_mask)."""
     cdef CudaArray g = call.array(grad, "grad")
     cdef int dtype = _kernel_dtype(g, "grad")
     cdef CudaArray mk = call.array(mask, "mask")
@@ -271,7 +294,6 @@ def apply_mask(grad, mask, p, *, ctx=None, out=None, stream=None):
     cdef uintptr_t handle = call.kernel
     with nogil:
         dropout_apply_mask(gp, mp, op, n, dtype, prob, mode, <cudaStream_t>handle, dev, 0)
-    call.finish()
     return result
 
 

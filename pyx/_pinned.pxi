@@ -4,7 +4,7 @@
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.string cimport memcpy
-from libcpp.memory cimport unique_ptr
+from libcpp.memory cimport shared_ptr
 
 from inferctx._decl_dlpack cimport DLPACK_FLAG_BITMASK_IS_COPIED, kDLCPU, kDLCUDAHost
 from inferctx._decl_gpu cimport (
@@ -41,7 +41,9 @@ cdef class PinnedBuffer:
     cdef Py_ssize_t _nbytes
     cdef Py_ssize_t _shape[1]
     cdef Py_ssize_t _strides[1]
-    cdef unique_ptr[CppEvent] _last_copy  # recorded after the last copy queued to or from it
+    # Recorded after the last copy queued to or from it. Shared: a thread waiting on it without
+    # the GIL keeps it alive while another thread replaces it (a copy on another device).
+    cdef shared_ptr[CppEvent] _last_copy
     cdef bint _copy_pending
     cdef object __weakref__
 
@@ -83,10 +85,10 @@ cdef class PinnedBuffer:
         self._wait_copies()
 
     cdef int _wait_copies(self) except -1:
-        cdef CppEvent* event = self._last_copy.get()
-        if self._copy_pending:
+        cdef shared_ptr[CppEvent] event = self._last_copy  # alive until this returns
+        if self._copy_pending and event.get() != NULL:
             with nogil:
-                event.synchronize()
+                event.get().synchronize()
             self._copy_pending = False
         return 0
 
@@ -94,11 +96,12 @@ cdef class PinnedBuffer:
         """Records that a copy using this buffer was queued on `stream` of `device`."""
         if self._last_copy.get() == NULL or self._last_copy.get().device() != device:
             self._wait_copies()
-            with nogil:
-                self._last_copy.reset(new CppEvent(device, False))
-        cdef CppEvent* event = self._last_copy.get()
+            # With the GIL from here to the record's copy of the pointer: no other thread of this
+            # buffer replaces the event in between.
+            self._last_copy.reset(new CppEvent(device, False))
+        cdef shared_ptr[CppEvent] event = self._last_copy
         with nogil:
-            event.record(<cudaStream_t>stream)
+            event.get().record(<cudaStream_t>stream)
         self._copy_pending = True
         return 0
 

@@ -35,6 +35,9 @@ cdef PlanRequest make_request(dict f) except *:
     r.memory_limit_bytes = f["memory_limit_bytes"] or 0
     r.has_memory_fraction = f["memory_fraction"] is not None
     r.memory_fraction = 1.0 if f["memory_fraction"] is None else f["memory_fraction"]
+    # Not a planning argument: what a context adds for its mapping's granularity (a caller that
+    # asks what a context's gen_workspace would give; a coerced int >= 0).
+    r.allocation_granularity = f.get("allocation_granularity", 0)
     return r
 
 

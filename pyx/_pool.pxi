@@ -24,8 +24,10 @@ cdef class MemoryPool:
 
     cdef shared_ptr[DevicePool] _pool
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError("MemoryPool objects come from InferenceContext.memory_pool")
+    def __cinit__(self, *args, **kwargs):
+        # MemoryPool.__new__(MemoryPool) from Python would have no pool behind it.
+        if kwargs or len(args) != 1 or args[0] is not _MAKE:
+            raise TypeError("MemoryPool objects come from InferenceContext.memory_pool")
 
     cdef PoolStats _stats(self):
         cdef PoolStats s
@@ -90,7 +92,7 @@ cdef class MemoryPool:
 
 
 cdef MemoryPool _memory_pool(int device):
-    cdef MemoryPool pool = MemoryPool.__new__(MemoryPool)
+    cdef MemoryPool pool = MemoryPool.__new__(MemoryPool, _MAKE)
     with nogil:
         pool._pool = DevicePool.of(device)
     return pool
@@ -99,11 +101,7 @@ cdef MemoryPool _memory_pool(int device):
 cdef DeviceView _pooled_view(InferenceContext ctx, int dtype, tuple shape, uintptr_t stream):
     """A new C-contiguous view of `dtype` x `shape` in a block of ctx's device pool, usable on
     `stream` in stream order."""
-    cdef int64_t size = 1
-    for n in shape:
-        if n < 0:
-            raise _ConfigError(f"shape: got {shape!r}; sizes must be >= 0", argument="shape")
-        size *= <int64_t>n
+    cdef int64_t size = _shape_size(shape, _DTYPE_ITEMSIZE[dtype], "shape")
     cdef int64_t nbytes = size * _DTYPE_ITEMSIZE[dtype]
     cdef int device = ctx.device
     cdef shared_ptr[PooledAllocation] block

@@ -41,7 +41,7 @@ cdef int _require_mapped(uintptr_t ptr, int64_t nbytes, int device) except -1:
 
 cdef int _note_released(InferenceContext ctx) except -1:
     """Brings _released_contexts up to date with `ctx` after a release, retake or plan."""
-    if ctx._c.addresses_stable() and ctx._c.released():
+    if ctx._c.addresses_stable() and _released_now(ctx):
         _released_contexts[ctx.device] = ctx
     else:
         _released_contexts.pop(ctx.device, None)

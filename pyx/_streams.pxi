@@ -5,7 +5,9 @@ from libc.stdint cimport uintptr_t
 from libcpp.memory cimport unique_ptr
 
 from inferctx._decl_gpu cimport (
-    CppEvent, CppStream, cudaStreamLegacy, cudaStreamPerThread, cudaStream_t)
+    CppEvent, CppStream, cudaError_t, cudaGetLastError, cudaStreamCaptureStatus,
+    cudaStreamCaptureStatusNone, cudaStreamGetDevice, cudaStreamIsCapturing, cudaStreamLegacy,
+    cudaStreamPerThread, cudaStream_t, cudaSuccess, stream_is_on_device)
 
 
 cdef str _STREAM_LIKE = (
@@ -21,6 +23,9 @@ cdef uintptr_t _stream_handle(object stream, str argument) except 0:
     legacy stream by omission is the classic bug). So 0 is never returned.
     """
     if isinstance(stream, Stream):
+        if (<Stream>stream)._handle == 0:  # made by Stream.__new__ alone
+            raise _ConfigError(f"{argument}: this inferctx.Stream holds no handle (made without "
+                               f"__init__); pass {_STREAM_LIKE}", argument=argument)
         return (<Stream>stream)._handle
     if PyBool_Check(stream) or stream is None:
         raise _ConfigError(f"{argument}: got {stream!r}; pass {_STREAM_LIKE}", argument=argument)
@@ -50,18 +55,54 @@ cdef uintptr_t _stream_handle(object stream, str argument) except 0:
     return <uintptr_t>handle
 
 
-cdef int _stream_device(object stream, uintptr_t handle) except -2:
-    """The device of a stream-like object: what it says (torch .device_index, cupy
-    .device_id), the current device for the special handles, else -1 (CUDA is asked)."""
+cdef int _declared_device(object stream) except -2:
+    """The device a stream-like object says it is on (an inferctx.Stream's, torch's
+    .device_index, CuPy's .device_id), else -1."""
     if isinstance(stream, Stream):
         return (<Stream>stream)._device
-    if handle <= <uintptr_t>cudaStreamPerThread:
-        return _device_arg(None)
     for attribute in ("device_index", "device_id"):
         value = getattr(stream, attribute, None)
         if isinstance(value, int) and not PyBool_Check(value) and value >= 0:
             return value
     return -1
+
+
+cdef int _stream_device(object stream, uintptr_t handle) except -2:
+    """The device of a stream-like object: what it says (torch .device_index, cupy
+    .device_id; torch.cuda.default_stream(1) is the legacy handle, of device 1), the current
+    device for the special handles, else -1 (CUDA is asked)."""
+    cdef int declared = _declared_device(stream)
+    if declared >= 0:
+        return declared
+    if handle <= <uintptr_t>cudaStreamPerThread:
+        return _device_arg(None)
+    return -1
+
+
+cdef int _handle_device(uintptr_t handle, int hint, str argument, object stream) except -2:
+    """The device of an explicit stream handle as CUDA tells it, without disturbing a capture:
+    cudaStreamGetDevice where the stream is not being captured (asked of a capturing stream, it
+    would end the capture in error); where it is, `hint` when the stream's CUDA context is
+    hint's primary one, else -1. ConfigError naming `argument` for a handle that is no stream."""
+    cdef cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone
+    cdef cudaError_t status
+    cdef int on = -1
+    cdef bint ours
+    with nogil:
+        status = cudaStreamIsCapturing(<cudaStream_t>handle, &capture)
+        if status == cudaSuccess and capture == cudaStreamCaptureStatusNone:
+            status = cudaStreamGetDevice(<cudaStream_t>handle, &on)
+    if status != cudaSuccess:
+        with nogil:
+            cudaGetLastError()
+        raise _ConfigError(
+            f"{argument}: {_type_name(stream)} {handle:#x} is not a CUDA stream that exists "
+            f"(destroyed, or not a stream handle); pass {_STREAM_LIKE}", argument=argument)
+    if capture == cudaStreamCaptureStatusNone:
+        return on
+    with nogil:  # its CUDA context may be asked under capture
+        ours = stream_is_on_device(<cudaStream_t>handle, hint)
+    return hint if ours else -1
 
 
 cdef class Stream:
@@ -124,9 +165,34 @@ cdef class Stream:
         if isinstance(other, Event):
             (<Event>other).wait(self)
             return
+        self._check()
         cdef uintptr_t handle = _stream_handle(other, "other")
-        if handle != self._handle:
-            Event(self._device).record(other).wait(self)
+        # The event is recorded on `other`, so it is made on other's device (an event and the
+        # stream it is recorded on share a CUDA context); a wait may take one of another device.
+        # That device is what the object says, else (a bare handle) the current one for the
+        # default-stream handles and CUDA's answer for the others, asked in a way that leaves a
+        # capture alone (Stream.wait is how a side stream joins a capture).
+        cdef int source = _declared_device(other)
+        if source < 0:
+            if handle <= <uintptr_t>cudaStreamPerThread:
+                source = _device_arg(None)
+            else:
+                source = _handle_device(handle, self._device, "other", other)
+                if source < 0:
+                    raise _ConfigError(
+                        f"other: {handle:#x} is being captured into a CUDA graph on another device "
+                        f"than this stream's cuda:{self._device}; pass it as a torch, CuPy or "
+                        f"inferctx Stream, which names its device", argument="other")
+        if handle == self._handle and source == self._device:
+            return
+        cdef Event event = Event(source)
+        cdef CppEvent* e = event._get()
+        cdef int waiting = self._device
+        cdef uintptr_t mine = self._handle
+        with nogil:
+            e.record(<cudaStream_t>handle)
+            # On this stream's device: a default-stream handle names the current device's.
+            e.make_wait(<cudaStream_t>mine, waiting)
 
     def record(self, event=None):
         """Records ``event`` (a new Event when None) on this stream and returns it."""
@@ -205,6 +271,11 @@ cdef class Event:
         """Records the event at the current end of ``stream``; returns self."""
         cdef CppEvent* event = self._get()
         cdef uintptr_t handle = _stream_handle(stream, "stream")
+        cdef int device = _declared_device(stream)
+        if device >= 0 and device != event.device():  # a default stream would be taken for ours
+            raise _ConfigError(f"stream: is a stream of cuda:{device} and this Event is of cuda:"
+                               f"{event.device()}; record it on a stream of its device, or make "
+                               f"the Event with device={device}", argument="stream")
         with nogil:
             event.record(<cudaStream_t>handle)
         return self
@@ -213,8 +284,11 @@ cdef class Event:
         """Makes ``stream`` wait (on the GPU) until the work recorded by this event is done."""
         cdef CppEvent* event = self._get()
         cdef uintptr_t handle = _stream_handle(stream, "stream")
+        # With the stream's device current where the object names it (a default-stream handle
+        # names the current device's stream); else this event's.
+        cdef int device = _declared_device(stream)
         with nogil:
-            event.make_wait(<cudaStream_t>handle)
+            event.make_wait(<cudaStream_t>handle, device)
 
     def query(self):
         """True when the recorded work is done."""

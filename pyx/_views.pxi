@@ -28,6 +28,12 @@ cdef str _HOST_ACCESS_HINT = (
     "buf.synchronize() and np.frombuffer(buf, dtype)")
 
 
+# What the factories of DeviceView, InferenceContext and MemoryPool pass to __new__. Their
+# __cinit__ refuses anything else, so that X.__new__(X) from Python raises TypeError instead of
+# giving an object whose C++ side was never made (any use of it would dereference null).
+cdef object _MAKE = object()
+
+
 cdef class DeviceView:
     """A typed, C-contiguous window on device memory that keeps its allocation alive.
 
@@ -52,10 +58,12 @@ cdef class DeviceView:
     cdef int _device
     cdef object __weakref__
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError("DeviceView objects come from an InferenceContext (workspace, kv_cache, "
-                        "activations, attention_scores), from DeviceView.view and from the "
-                        "kernels; they cannot be constructed directly")
+    def __cinit__(self, *args, **kwargs):
+        # DeviceView.__new__(DeviceView) from Python would give a view with no allocation.
+        if kwargs or len(args) != 1 or args[0] is not _MAKE:
+            raise TypeError("DeviceView objects come from an InferenceContext (workspace, "
+                            "kv_cache, activations, attention_scores), from DeviceView.view and "
+                            "from the kernels; they cannot be constructed directly")
 
     # -- description -----------------------------------------------------------------------
     @property
@@ -197,7 +205,7 @@ cdef class DeviceView:
         cdef uintptr_t producer = _ctx_stream(self._ctx)
         cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
                                                                             "stream")
-        self._ctx._order(producer, on)
+        self._ctx._order(producer, on, True)  # joined back below
         _note_use(self, on)
         _copy(self._ptr, host._ptr, self._nbytes, on, self._device)
         host._track(self._device, on)
@@ -313,7 +321,7 @@ cdef DeviceView _make_view(const shared_ptr[DeviceAllocation]& alloc, int64_t of
         raise _WorkspaceStateError(
             f"a view of {nbytes} bytes at offset {offset} does not fit the allocation of "
             f"{allocation.size()} bytes (the workspace changed while the view was made: retry)")
-    cdef DeviceView view = DeviceView.__new__(DeviceView)
+    cdef DeviceView view = DeviceView.__new__(DeviceView, _MAKE)
     view._alloc = alloc
     view._ctx = ctx
     view._ptr = <uintptr_t>allocation.data() + <uintptr_t>offset

@@ -1,5 +1,6 @@
 #include "inferctx/blas.hpp"
 
+#include <mutex>
 #include <string>
 
 #include "inferctx/cuda_check.hpp"
@@ -55,6 +56,9 @@ void CublasHandle::destroy_handles() noexcept {
 
 void CublasHandle::set_stream(cudaStream_t stream) {
   require_explicit_stream(stream, "CublasHandle::set_stream");
+  // Not while another thread's GEMM is between begin_use and its cuBLAS call: that call would
+  // run on `stream`, with the handle's own workspace.
+  std::lock_guard<std::mutex> lock(mutex_);
   CurrentDeviceScope on(device_);
   INFERCTX_CUBLAS(bind_stream(stream), device_);
   stream_ = stream;
@@ -131,6 +135,7 @@ bool CublasHandle::begin_use(cudaStream_t stream) {
 }
 
 void CublasHandle::set_tf32(bool enabled) {
+  std::lock_guard<std::mutex> lock(mutex_);  // not in the middle of another thread's GEMM
   CurrentDeviceScope on(device_);
   INFERCTX_CUBLAS(cublasSetMathMode(handle_, enabled ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH), device_);
   tf32_ = enabled;

@@ -84,10 +84,10 @@ InferenceContext::InferenceContext(int device) : device_(device) {
   cublas_ = std::make_unique<CublasHandle>(device);
   own_stream_ = Stream::create(device);
   comm_stream_ = Stream::create(device);
-  compute_ = own_stream_.handle();
+  compute_.store(own_stream_.handle(), std::memory_order_release);
   comp_done_ = std::make_unique<Event>(device);
   comm_done_ = std::make_unique<Event>(device);
-  cublas_->set_stream(compute_);
+  cublas_->set_stream(compute_.load(std::memory_order_relaxed));
   fallback_reason_ = fallback_reason_of(device);
   vmm_ = fallback_reason_.empty();
   if (vmm_) granularity_ = virtual_memory_granularity(device);
@@ -351,10 +351,7 @@ void InferenceContext::reset_tokens(int64_t initial) {
   tokens_.store(initial, std::memory_order_relaxed);
 }
 
-cudaStream_t InferenceContext::stream() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return compute_;
-}
+cudaStream_t InferenceContext::stream() const { return compute_.load(std::memory_order_acquire); }
 
 cudaStream_t InferenceContext::comm_stream() const { return comm_stream_.handle(); }
 
@@ -375,7 +372,7 @@ void InferenceContext::use_stream(cudaStream_t external) {
   }
   const cudaStream_t target = external != nullptr ? external : own_stream_.handle();
   cublas_->set_stream(target);  // first: if it fails the context keeps its previous stream
-  compute_ = target;
+  compute_.store(target, std::memory_order_release);
 }
 
 void InferenceContext::sync_comp() { sync_comp(stream()); }

@@ -64,7 +64,10 @@ void InferenceContext::release_workspace(bool force, bool keep_contents) {
       // The copies are queued before anything is unmapped; each chunk goes once its copy is done.
       virtual_->unmap(keep_contents ? host_copy_->data() : nullptr, own_stream_.handle());
     } catch (...) {
-      // The memory is unmapped (or going) whatever failed; its contents are not to be trusted.
+      // A copy to the host, or its event, failed before anything was unmapped: the workspace is
+      // still held with its contents, as if release_workspace had not been called.
+      if (virtual_->accessible()) throw;
+      // Otherwise the memory is unmapped (or going); its contents are not to be trusted.
       released_ = true;
       contents_kept_ = false;
       set_released_range(true);

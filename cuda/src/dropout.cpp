@@ -129,12 +129,31 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
   dropout_forward(x, y, mask, n, dtype, p, mask_mode, PhiloxSource::host(seed, offset), stream, device, max_blocks);
 }
 
-void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
-                     const PhiloxSource& source, cudaStream_t stream, int device, int max_blocks) {
+namespace {
+
+// The checks that do not depend on where the Philox state comes from (n, dtype, p, mask_mode,
+// pointers, overlaps).
+void check_forward(const void* x, const void* y, const void* mask, int64_t n, int dtype, double p, int mask_mode) {
   const int64_t elem = dtype_size(dtype);
   check_n(n, elem);
   check_mask_mode(mask_mode);
   check_p(p);
+  if (n == 0) return;
+  const int64_t bytes = n * elem;
+  check_in_out("x", x, "y", y, bytes, elem);
+  const MaskMode mode = static_cast<MaskMode>(mask_mode);
+  if (mode != MaskMode::None) {
+    const int64_t mask_bytes = dropout_mask_bytes(n, mask_mode);
+    check_pointer("mask", mask, mode == MaskMode::Bits ? 4 : 1);
+    if (overlaps(mask, mask_bytes, x, bytes) || overlaps(mask, mask_bytes, y, bytes))
+      invalid("mask", "overlaps x or y; the mask needs its own " + std::to_string(mask_bytes) + " bytes");
+  }
+}
+
+// dropout_forward once check_forward has passed.
+void forward_checked(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
+                     const PhiloxSource& source, cudaStream_t stream, int device, int max_blocks) {
+  const int64_t elem = dtype_size(dtype);
   if (!source.captured && source.offset % 4 != 0)
     invalid("offset", "got " + std::to_string(source.offset) +
                           "; it must be a multiple of 4 (one Philox counter gives 4 values; take it from "
@@ -151,13 +170,7 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
   const MaskMode mode = static_cast<MaskMode>(mask_mode);
   if (n == 0) return;
   const int64_t bytes = n * elem;
-  check_in_out("x", x, "y", y, bytes, elem);
   const int64_t mask_bytes = dropout_mask_bytes(n, mask_mode);
-  if (mode != MaskMode::None) {
-    check_pointer("mask", mask, mode == MaskMode::Bits ? 4 : 1);
-    if (overlaps(mask, mask_bytes, x, bytes) || overlaps(mask, mask_bytes, y, bytes))
-      invalid("mask", "overlaps x or y; the mask needs its own " + std::to_string(mask_bytes) + " bytes");
-  }
 
   CurrentDeviceScope scoped(device);
   const int dev = scoped.device();
@@ -177,6 +190,20 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
 
   detail::launch_dropout_forward(x, y, mask, n, dtype, mode, static_cast<uint32_t>(dropout_keep_threshold(p)),
                                  dropout_scale(p), source, stream, dev, max_blocks);
+}
+
+}  // namespace
+
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
+                     const PhiloxSource& source, cudaStream_t stream, int device, int max_blocks) {
+  check_forward(x, y, mask, n, dtype, p, mask_mode);
+  forward_checked(x, y, mask, n, dtype, p, mask_mode, source, stream, device, max_blocks);
+}
+
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
+                     GraphRng& rng, cudaStream_t stream, int device, int max_blocks) {
+  check_forward(x, y, mask, n, dtype, p, mask_mode);  // a refused call takes no offset or site
+  forward_checked(x, y, mask, n, dtype, p, mask_mode, rng.draw(stream, 4), stream, device, max_blocks);
 }
 
 void dropout_apply_mask(const void* grad, const void* mask, void* out, int64_t n, int dtype, double p,

@@ -1,5 +1,6 @@
-// The GEMM autotuner: times cuBLASLt's candidates (and cublasGemmEx) on random operands,
-// keeps the fastest whose result matches the untuned default's, and caches it.
+// The GEMM autotuner: times cublasGemmEx (what an untuned gemm runs, the call torch.matmul
+// makes) and cuBLASLt's candidates on random operands, keeps the fastest whose result matches
+// cublasGemmEx's, and caches it.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -165,27 +166,20 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
     GemmBackend backend;
     cublasLtMatmulAlgo_t algo;
     size_t workspace_bytes;
-    int index;  // 0: the untuned default; i > 0: the i-th other candidate; -1: cuBLAS
+    int index;  // 0: cublasGemmEx, the untuned default; i > 0: cuBLASLt's i-th candidate
     bool valid;
     int runs;   // per timed batch
     double ms;
   };
   std::shared_ptr<AlgoChoice> base = new_choice(p, device);
-  const auto first = heuristic(handle, *base, align_a, align_b, align_c, 1);
   const auto listed = heuristic(handle, *base, align_a, align_b, align_c, options.max_algorithms);
   std::vector<Candidate> cands;
   cublasLtMatmulAlgo_t no_algo;
   std::memset(&no_algo, 0, sizeof no_algo);
-  if (!first.empty()) {
-    cands.push_back({GemmBackend::CublasLt, first[0].algo, first[0].workspaceSize, 0, false, 1, 0.0});
-    for (const auto& r : listed) {
-      if (std::memcmp(&r.algo, &first[0].algo, sizeof r.algo) == 0) continue;
-      cands.push_back({GemmBackend::CublasLt, r.algo, r.workspaceSize, static_cast<int>(cands.size()), false, 1, 0.0});
-    }
-  }
-  // cuBLAS is the untuned default when cuBLASLt has nothing for the problem.
-  if (options.include_cublas || first.empty()) {
-    cands.push_back({GemmBackend::Cublas, no_algo, 0, -1, false, 1, 0.0});
+  // First, the reference and the baseline: what gemm runs untuned (heuristic_choice).
+  cands.push_back({GemmBackend::Cublas, no_algo, 0, 0, false, 1, 0.0});
+  for (const auto& r : listed) {
+    cands.push_back({GemmBackend::CublasLt, r.algo, r.workspaceSize, static_cast<int>(cands.size()), false, 1, 0.0});
   }
 
   const float one = 1.0f, zero = 0.0f;
@@ -208,14 +202,13 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
     check_cuda(cudaMemsetAsync(out, 0xFF, static_cast<size_t>(bytes_c), stream), "cudaMemsetAsync", device);
   };
 
-  // The reference is what gemm computes untuned.
+  // The reference is what gemm computes untuned (cublasGemmEx, torch's bits).
   poison(c_ref.data());
-  check_cublas(run(cands[0], 0, c_ref.data()),
-               cands[0].backend == GemmBackend::Cublas ? cublas_call_name(p) : "cublasLtMatmul", device);
+  check_cublas(run(cands[0], 0, c_ref.data()), cublas_call_name(p), device);
   if (compare(c_ref.data(), c_ref.data()).nonfinite != 0) {
-    throw_cublas_error(CUBLAS_STATUS_EXECUTION_FAILED,
-                       "cublasLtMatmul (tune_gemm: the default algorithm left non-finite values on random inputs)",
-                       device);
+    const std::string call = std::string(cublas_call_name(p)) +
+                             " (tune_gemm: the untuned default left non-finite values on random inputs)";
+    throw_cublas_error(CUBLAS_STATUS_EXECUTION_FAILED, call.c_str(), device);
   }
   const double tolerance = tune_tolerance(p);
   for (Candidate& cand : cands) {
@@ -316,6 +309,10 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
   }
   if (!std::isfinite(best_ms)) {
     throw_cublas_error(CUBLAS_STATUS_EXECUTION_FAILED, "cublasLtMatmul (tune_gemm: timing runs failed)", device);
+  }
+  if (winner != 0 && default_ms > 0.0 && best_ms > default_ms * (1.0 - kTuneMinGain)) {
+    winner = 0;  // not clearly faster: cublasGemmEx stays
+    best_ms = default_ms;
   }
 
   const Candidate& win = cands[winner];

@@ -1,12 +1,14 @@
 #include "inferctx/pool.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <map>
 #include <string>
 
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
+#include "inferctx/fault.hpp"
 #include "inferctx/stream.hpp"
 
 namespace inferctx {
@@ -22,6 +24,15 @@ PoolRegistry& registry() {
   // Never destroyed: blocks may be freed by owners that outlive static destruction order.
   static PoolRegistry* r = new PoolRegistry();
   return *r;
+}
+
+// A number for the calling thread, never given to another (std::thread::id values are reused
+// once a thread ends, and a block noted on one thread's per-thread stream must not be taken
+// for another's).
+uint64_t this_thread_serial() noexcept {
+  static std::atomic<uint64_t> next{1};
+  thread_local const uint64_t serial = next.fetch_add(1, std::memory_order_relaxed);
+  return serial;
 }
 
 int64_t pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr, int device) {
@@ -129,7 +140,11 @@ int64_t DevicePool::trim(int64_t keep_bytes) {
   CurrentDeviceScope on(device_);
   // Blocks whose free is still queued (on the free stream or a durable stream) are in use until
   // their stream reaches it.
-  INFERCTX_CUDA(cudaDeviceSynchronize(), device_);
+  const uint64_t before = deferral_mark();
+  INFERCTX_CUDA(fault::invoke<cudaError_t>(fault::Site::synchronize, [] { return cudaDeviceSynchronize(); }),
+                device_);
+  free_deferred(before);
+  INFERCTX_CUDA(cudaStreamSynchronize(free_stream_), device_);
   INFERCTX_CUDA(cudaMemPoolTrimTo(pool_, static_cast<size_t>(keep_bytes)), device_);
   return pool_attribute(pool_, cudaMemPoolAttrReservedMemCurrent, device_);
 }
@@ -160,23 +175,53 @@ void DevicePool::note_durable(cudaStream_t stream) {
 }
 
 bool DevicePool::durable(cudaStream_t stream) const {
-  return stream == cudaStreamLegacy || stream == cudaStreamPerThread || stream == free_stream_ ||
+  // cudaStreamPerThread is decided by the caller: that handle names the calling thread's
+  // stream, which is the user's only when the block is let go on the thread that used it.
+  return stream == cudaStreamLegacy || stream == free_stream_ ||
          std::find(durable_.begin(), durable_.end(), stream) != durable_.end();
 }
 
-void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use) noexcept {
+uint64_t DevicePool::deferral_mark() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return next_deferral_;
+}
+
+void DevicePool::free_deferred(uint64_t before) noexcept {
+  // Only blocks deferred before the synchronisation began: their users' work was queued by
+  // then, so it is done. One deferred meanwhile (by another thread) waits for the next one.
+  std::vector<void*> blocks;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto done = std::stable_partition(deferred_.begin(), deferred_.end(),
+                                      [&](const Deferred& d) { return d.mark >= before; });
+    for (auto it = done; it != deferred_.end(); ++it) blocks.push_back(it->ptr);
+    deferred_.erase(done, deferred_.end());
+  }
+  for (void* ptr : blocks) {
+    if (cudaFreeAsync(ptr, free_stream_) != cudaSuccess) cudaGetLastError();
+    freed();
+  }
+}
+
+void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use,
+                         bool other_threads_per_thread_stream) noexcept {
   bool ordered = !unknown_use;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    --live_;
-    for (cudaStream_t user : users) ordered = ordered && durable(user);
+    if (ptr == nullptr) --live_;  // the others count until their free is queued
+    for (cudaStream_t user : users) {
+      ordered = ordered && (user == cudaStreamPerThread ? !other_threads_per_thread_stream : durable(user));
+    }
   }
   if (ptr == nullptr) return;
   CurrentDeviceScope on(device_, std::nothrow);
   if (ordered && users.size() == 1) {
     // Used on one durable stream only (the common case): freed in its order, where the next
     // allocation on it takes the block straight back.
-    if (cudaFreeAsync(ptr, users.front()) == cudaSuccess) return;
+    if (cudaFreeAsync(ptr, users.front()) == cudaSuccess) {
+      freed();
+      return;
+    }
     cudaGetLastError();
   }
   if (ordered) {
@@ -203,30 +248,52 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
   }
   if (!ordered) {
     // A use on a stream that may be gone by now, or not known: wait for everything queued.
-    if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
+    const uint64_t before = deferral_mark();
+    if (fault::invoke<cudaError_t>(fault::Site::synchronize, [] { return cudaDeviceSynchronize(); }) !=
+        cudaSuccess) {
+      // Refused (a thread captures into a CUDA graph on this device, whose capture the attempt
+      // has invalidated, or the context failed): nothing says the users are done, so the block
+      // is kept, and counted, until a later device synchronisation succeeds (the next such
+      // free, or trim()).
+      cudaGetLastError();
+      std::lock_guard<std::mutex> lock(mutex_);
+      deferred_.push_back({ptr, next_deferral_++});
+      return;
+    }
+    free_deferred(before);
   }
   if (cudaFreeAsync(ptr, free_stream_) != cudaSuccess) {
     cudaGetLastError();
     // The stream-ordered free failed (a context error); a synchronous free is the last resort.
     if (cudaFree(ptr) != cudaSuccess) cudaGetLastError();
   }
+  freed();
+}
+
+void DevicePool::freed() noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  --live_;
 }
 
 PooledAllocation::PooledAllocation(std::shared_ptr<DevicePool> pool, int device, void* ptr, int64_t bytes,
                                    cudaStream_t first)
     : DeviceAllocation(Borrowed{}, device, ptr, bytes), pool_(std::move(pool)) {
   users_.push_back(first);
+  if (first == cudaStreamPerThread) per_thread_users_.push_back(this_thread_serial());
 }
 
 PooledAllocation::~PooledAllocation() {
   std::vector<cudaStream_t> users;
   bool unknown = false;
+  bool other_threads = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     users.swap(users_);
     unknown = unknown_use_;
+    const uint64_t me = this_thread_serial();
+    for (uint64_t id : per_thread_users_) other_threads = other_threads || id != me;
   }
-  pool_->release(ptr_, users, unknown);
+  pool_->release(ptr_, users, unknown, other_threads);
   ptr_ = nullptr;
 }
 
@@ -234,6 +301,12 @@ void PooledAllocation::note_use(cudaStream_t stream) {
   require_explicit_stream(stream, "PooledAllocation::note_use");
   std::lock_guard<std::mutex> lock(mutex_);
   if (std::find(users_.begin(), users_.end(), stream) == users_.end()) users_.push_back(stream);
+  if (stream == cudaStreamPerThread) {
+    // The handle means this thread's stream: which thread it was decides the free's ordering.
+    const uint64_t id = this_thread_serial();
+    if (std::find(per_thread_users_.begin(), per_thread_users_.end(), id) == per_thread_users_.end())
+      per_thread_users_.push_back(id);
+  }
 }
 
 void PooledAllocation::note_unknown_use() noexcept {

@@ -152,10 +152,13 @@ void Event::record(cudaStream_t stream) {
   INFERCTX_CUDA(cudaEventRecord(event_, stream), device_);
 }
 
-void Event::make_wait(cudaStream_t stream) {
+void Event::make_wait(cudaStream_t stream) { make_wait(stream, -1); }
+
+void Event::make_wait(cudaStream_t stream, int stream_device) {
   require_explicit_stream(stream, "Event::make_wait");
-  CurrentDeviceScope on(device_);
-  INFERCTX_CUDA(cudaStreamWaitEvent(stream, event_, 0), device_);
+  const int on_device = stream_device < 0 ? device_ : stream_device;
+  CurrentDeviceScope on(on_device);
+  INFERCTX_CUDA(cudaStreamWaitEvent(stream, event_, 0), on_device);
 }
 
 bool Event::query() const {

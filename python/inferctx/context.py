@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from . import _core
 from ._core import DeviceView, Event, PinnedBuffer, Stream
+from ._model_shape import _as_shape
 from .planning import ModelShape, WorkspacePlan, _request_fields, human_bytes
 
 __all__ = ["InferenceContext", "DeviceView", "PinnedBuffer", "Stream", "Event", "logger"]
@@ -53,22 +54,25 @@ class InferenceContext(_core.InferenceContext):
         """
         args = (shape, batch_size, prompt_len, max_out_tokens, min_out_tokens, dtype, mp_size,
                 rank, external_cache, policy, reserve_bytes, memory_limit_bytes, memory_fraction)
-        made = self._gen_workspace(args, None)  # None when args are not the last request's
-        if made is None:
-            made = self._gen_workspace(args, _request_fields(
-                shape, batch_size=batch_size, prompt_len=prompt_len, max_out_tokens=max_out_tokens,
-                min_out_tokens=min_out_tokens, dtype=dtype, mp_size=mp_size, rank=rank,
-                external_cache=external_cache, policy=policy, free_bytes=0, total_bytes=1,
-                reserve_bytes=reserve_bytes, memory_limit_bytes=memory_limit_bytes,
-                memory_fraction=memory_fraction))
-        if isinstance(made, WorkspacePlan):
-            return made  # the plan in force stands
-        assert made is not None  # a request was given
-        # Free memory is read now, with the weights already loaded: none are subtracted again.
-        plan = WorkspacePlan._from_result(
-            made.request, made.result,
-            {"memory": f"cuda:{self.device}, read now by gen_workspace", "weights": "none"})
-        if self._adopt_plan(plan, made):
+        with self._workspace_lock:  # another thread's call cannot come between plan and layout
+            made = self._gen_workspace(args, None)  # None when args are not the last request's
+            if made is None:
+                made = self._gen_workspace(args, _request_fields(
+                    shape, batch_size=batch_size, prompt_len=prompt_len,
+                    max_out_tokens=max_out_tokens, min_out_tokens=min_out_tokens, dtype=dtype,
+                    mp_size=mp_size, rank=rank, external_cache=external_cache, policy=policy,
+                    free_bytes=0, total_bytes=1, reserve_bytes=reserve_bytes,
+                    memory_limit_bytes=memory_limit_bytes, memory_fraction=memory_fraction))
+            if isinstance(made, WorkspacePlan):
+                return made  # the plan in force stands
+            assert made is not None  # a request was given
+            # Free memory is read now, with the weights already loaded: none are subtracted again.
+            plan = WorkspacePlan._from_result(
+                made.request, made.result,
+                {"memory": f"cuda:{self.device}, read now by gen_workspace", "weights": "none"},
+                shape=_as_shape(shape))
+            changed = self._adopt_plan(plan, made)
+        if changed:
             _log_plan(plan, self.device)
         return plan
 

@@ -26,7 +26,8 @@ each call releases the GIL around the C++ one and C++ errors become inferctx.err
 ``_core._begin(operands, ctx, stream) -> call``
     The call contract for ``operands`` (a, b, out): ``call.ctx``, ``call.kernel`` (the stream
     handle the product runs on), ``call.import_array(obj, argument) -> CudaArray`` and
-    ``call.done()`` (the caller's streams wait for it).
+    ``call.done()`` (the caller's streams wait for it); ``call.given_up()`` in its place when
+    the call fails after ``_begin`` (a stream made to join a CUDA-graph capture is joined back).
 ``_core._gemm(call, ndim, va, vb, vc, out, trans_a, trans_b, alpha, beta, tf32) -> out``
     The product of imported operands (``vc`` None for a new result) on ``call.kernel``:
     ``inferctx::gemm_layout`` works out the problem from their shapes and strides (ConfigError
@@ -101,6 +102,10 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
                   warmup: int = 3, repeats: int = 7) -> List[Dict[str, Any]]:
     """Times cuBLASLt's candidate algorithms for each shape and keeps the fastest correct one.
 
+    cublasGemmEx, what an untuned ``gemm`` runs (torch.matmul's call and bits), is candidate 0;
+    a cuBLASLt algorithm replaces it only when at least 1% faster, since smaller differences
+    between medians are noise.
+
     Parameters
     ----------
     shapes
@@ -127,10 +132,13 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
 
     Returns
     -------
-    One dict per shape: shape, dtype, trans_a, trans_b, tf32, default_ms (cuBLASLt's first
-    choice), tuned_ms, speedup, backend ('cublasLt' or 'cublas', the path PyTorch takes),
-    algo_index (0: the heuristic's first choice; -1: cuBLAS), candidates, valid, skipped
-    (True when the cache already had it).
+    One dict per shape: shape, dtype, trans_a, trans_b, tf32, default_ms (cublasGemmEx: what
+    an untuned gemm runs, the call torch.matmul makes), tuned_ms, speedup (default_ms /
+    tuned_ms), backend ('cublasLt', or 'cublas' when cublasGemmEx stays: no candidate was
+    at least 1% faster),
+    algo_index (0: cublasGemmEx; i >= 1: cuBLASLt's i-th candidate), candidates, valid (those
+    whose result matched cublasGemmEx's within the dtype's tolerance), skipped (True when the
+    cache already had it).
     """
     code = dtype_code(dtype)
     flags = {name: _flag(value, name) for name, value in
@@ -276,14 +284,18 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
     elif ctx is not None and device is not None and device != _context_device(ctx):
         _ctx_device_error(name, device, _context_device(ctx))
     call = _core._begin((a, b, out), ctx, stream)
-    va = call.import_array(a, "a")
-    vb = call.import_array(b, "b")
-    vc = None if out is None else call.import_array(out, "out")
-    if vc is not None and vc.read_only:
-        raise ConfigError(f"{name}: out ({_type_name(out)}) is read-only; pass a writable array",
-                          argument="out")
-    # va / vb / vc keep the memory alive until the product is queued.
-    result = _core._gemm(call, ndim, va, vb, vc, out, trans_a, trans_b, alpha, beta, tf32)
+    try:
+        va = call.import_array(a, "a")
+        vb = call.import_array(b, "b")
+        vc = None if out is None else call.import_array(out, "out")
+        if vc is not None and vc.read_only:
+            raise ConfigError(f"{name}: out ({_type_name(out)}) is read-only; pass a writable array",
+                              argument="out")
+        # va / vb / vc keep the memory alive until the product is queued.
+        result = _core._gemm(call, ndim, va, vb, vc, out, trans_a, trans_b, alpha, beta, tf32)
+    except BaseException:
+        call.given_up()  # a stream made to join a CUDA-graph capture is joined back
+        raise
     call.done()
     return result
 

@@ -11,8 +11,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -606,6 +608,31 @@ TEST_CASE("use_stream adopts an external stream (cuBLAS follows) and nullptr ret
     CHECK_THROWS(ConfigError, ctx->use_stream(foreign.handle()));
     CHECK(ctx->stream() == own);
   }
+}
+
+TEST_CASE("use_stream waits for a GEMM in progress on the shared cuBLAS handle") {
+  // A GEMM holds the handle's mutex from begin_use (the handle bound to its stream) to its cuBLAS
+  // call; a use_stream in between would move that call to another stream and workspace.
+  auto ctx = InferenceContext::instance(kDevice);
+  Stream external = Stream::create(kDevice);
+  std::atomic<bool> switched{false};
+  std::thread other;
+  {
+    std::lock_guard<std::mutex> gemm_in_progress(ctx->cublas().mutex());
+    other = std::thread([&] {
+      ctx->use_stream(external.handle());
+      switched.store(true);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    CHECK(!switched.load());  // still waiting for the handle
+  }
+  other.join();
+  CHECK(switched.load());
+  CHECK(ctx->stream() == external.handle());
+  cudaStream_t bound = nullptr;
+  INFERCTX_CUBLAS(cublasGetStream(ctx->cublas().get(), &bound), kDevice);
+  CHECK(bound == external.handle());
+  ctx->use_stream(nullptr);
 }
 
 TEST_CASE("Stream and Event owners") {

@@ -48,6 +48,7 @@ const char* site_name(Site s) {
     case Site::event: return "event";
     case Site::stream: return "stream";
     case Site::cublas: return "cublas";
+    case Site::synchronize: return "synchronize";
   }
   return "?";
 }
@@ -74,8 +75,8 @@ int64_t free_memory() {
   return static_cast<int64_t>(f);
 }
 
-const Site kAllSites[] = {Site::device_alloc, Site::pinned_alloc, Site::virtual_memory,
-                          Site::event,        Site::stream,       Site::cublas};
+const Site kAllSites[] = {Site::device_alloc, Site::pinned_alloc, Site::virtual_memory, Site::event,
+                          Site::stream,       Site::cublas,       Site::synchronize};
 
 std::string self_path() {
   char buf[4096];
@@ -426,6 +427,51 @@ TEST_CASE("cuBLAS: every failed call of a GEMM raises CublasError; the next GEMM
     }
   }
   CHECK(exact);
+}
+
+TEST_CASE("pool: a free whose device synchronisation fails keeps the block, counted, until one succeeds") {
+  // A block used on a stream the pool cannot wait for by event is freed after a device
+  // synchronisation; refused (as while any thread captures a CUDA graph), the block must stay
+  // allocated: its users may still read it.
+  auto pool = DevicePool::of(kDevice);
+  pool->trim(0);
+  const PoolStats start = pool->stats();
+  const int64_t base = start.allocations;
+  auto let_go_unsynchronised = [&] {
+    auto block = pool->allocate(1 << 20, cudaStreamLegacy);
+    block->note_unknown_use();
+    fault::arm(Site::synchronize, 1, cudaErrorStreamCaptureUnsupported);
+    block.reset();
+    CHECK_EQ(fault::calls(Site::synchronize), int64_t{1});
+    fault::disarm_all();
+  };
+  let_go_unsynchronised();
+  CHECK_EQ(pool->stats().allocations, base + 1);
+  CHECK(pool->stats().used_bytes >= start.used_bytes + (int64_t{1} << 20));
+  // The next such free synchronises, so the one kept goes too.
+  {
+    auto block = pool->allocate(1 << 20, cudaStreamLegacy);
+    block->note_unknown_use();
+  }
+  CHECK_EQ(pool->stats().allocations, base);
+  // trim() frees what was kept, and gives the memory back.
+  let_go_unsynchronised();
+  let_go_unsynchronised();
+  CHECK_EQ(pool->stats().allocations, base + 2);
+  pool->trim(0);
+  CHECK_EQ(pool->stats().allocations, base);
+  CHECK_EQ(pool->stats().used_bytes, start.used_bytes);
+  CHECK_EQ(pool->stats().reserved_bytes, start.reserved_bytes);
+  // A trim whose synchronisation fails raises, and keeps what it cannot know to be unused.
+  let_go_unsynchronised();
+  fault::arm(Site::synchronize, 1, cudaErrorStreamCaptureUnsupported);
+  std::string message;
+  CHECK(run([&] { pool->trim(0); }, &message) == Raised::cuda);
+  fault::disarm_all();
+  CHECK_EQ(pool->stats().allocations, base + 1);
+  pool->trim(0);
+  CHECK_EQ(pool->stats().allocations, base);
+  CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
 }
 
 TEST_CASE("after every failure above, device memory is where it was") {

@@ -605,6 +605,10 @@ TEST_CASE("gpu: autotuned results equal untuned ones and the float64 reference")
     CHECK(r.valid >= 1);
     CHECK(r.best_ms > 0.0);
     CHECK(r.default_ms <= 0.0 || r.best_ms <= r.default_ms);
+    // cuBLASLt only when clearly faster than cublasGemmEx.
+    CHECK(r.algo_index == 0 || r.best_ms <= r.default_ms * (1.0 - kTuneMinGain));
+    CHECK(r.default_ms > 0.0);  // cublasGemmEx, the untuned default, runs for every problem
+    CHECK((r.algo_index == 0) == (r.backend == 1));  // candidate 0 is cublasGemmEx
     CHECK(r.backend == 1 ? r.algo.empty() : r.algo.size() == 8);
     const auto entries = export_gemm_cache();
     CHECK_EQ(entries.size(), size_t{1});

@@ -2,6 +2,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "check.hpp"
@@ -37,6 +40,19 @@ cudaStream_t new_stream() {
   cudaStream_t s = nullptr;
   check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", kDevice);
   return s;
+}
+
+// After a block of n ints that a busy stream reads (summing into `total`) was let go: the next
+// block of its size on `stream` is filled with 7s; returns what the reader summed (n when it
+// saw the 1s it was given, not the next user's 7s).
+unsigned long long reader_total_after_reuse(DevicePool& pool, int n, cudaStream_t stream,
+                                            const unsigned long long* total) {
+  auto again = pool.allocate(int64_t{n} * 4, stream);
+  fill<<<(n + 255) / 256, 256, 0, stream>>>(static_cast<int*>(again->data()), n, 7);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
+  unsigned long long host = 0;
+  check_cuda(cudaMemcpy(&host, total, sizeof host, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+  return host;
 }
 
 long long cycles_per_ms() {
@@ -107,15 +123,42 @@ TEST_CASE("gpu: a block is not handed out again while a stream that used it is s
     sum_into<<<(n + 255) / 256, 256, 0, reader>>>(static_cast<const int*>(block->data()), n, total);
     cudaEventDestroy(filled);
   }  // freed here, while the reader still has 50 ms to go
-  auto again = pool->allocate(int64_t{n} * 4, producer);
-  fill<<<(n + 255) / 256, 256, 0, producer>>>(static_cast<int*>(again->data()), n, 7);
-  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
-  unsigned long long host = 0;
-  check_cuda(cudaMemcpy(&host, total, sizeof host, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
-  CHECK_EQ(host, static_cast<unsigned long long>(n));  // the reader saw 1s, not the next user's 7s
+  CHECK_EQ(reader_total_after_reuse(*pool, n, producer, total), static_cast<unsigned long long>(n));
   cudaFree(total);
   cudaStreamDestroy(producer);
   cudaStreamDestroy(reader);
+}
+
+TEST_CASE("gpu: a use on a thread's per-thread default stream is waited for when another thread lets the block go") {
+  // cudaStreamPerThread names the calling thread's stream: the reader thread's stream is not the
+  // one the handle names on this thread, where the block is freed.
+  auto pool = DevicePool::of(kDevice);
+  pool->trim(0);  // no free block of the size is left from earlier cases: the next one is this
+  const int n = 1 << 20;
+  unsigned long long* total = nullptr;
+  check_cuda(cudaMalloc(&total, sizeof *total), "cudaMalloc", kDevice);
+  check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+  std::shared_ptr<PooledAllocation> block = pool->allocate(int64_t{n} * 4, cudaStreamPerThread);
+  fill<<<(n + 255) / 256, 256, 0, cudaStreamPerThread>>>(static_cast<int*>(block->data()), n, 1);
+  check_cuda(cudaStreamSynchronize(cudaStreamPerThread), "cudaStreamSynchronize", kDevice);
+  // The reader thread stays alive until the block is let go: its stream is then still one of a
+  // running thread (whatever CUDA does with a per-thread stream when its thread ends), and the
+  // two threads are certainly two.
+  std::atomic<bool> launched{false}, let_go{false};
+  std::thread reader([&] {
+    check_cuda(cudaSetDevice(kDevice), "cudaSetDevice", kDevice);
+    block->note_use(cudaStreamPerThread);  // the reader thread's own stream
+    spin<<<1, 1, 0, cudaStreamPerThread>>>(cycles_per_ms() * 50);
+    sum_into<<<(n + 255) / 256, 256, 0, cudaStreamPerThread>>>(static_cast<const int*>(block->data()), n, total);
+    launched = true;
+    while (!let_go) std::this_thread::yield();
+  });
+  while (!launched) std::this_thread::yield();
+  block.reset();  // on this thread, while the reader's stream still has 50 ms to go
+  let_go = true;
+  reader.join();
+  CHECK_EQ(reader_total_after_reuse(*pool, n, cudaStreamPerThread, total), static_cast<unsigned long long>(n));
+  cudaFree(total);
 }
 
 TEST_CASE("gpu: a use on an unknown stream, or on a stream that is not durable (destroyed since), frees after a device synchronisation") {

@@ -295,6 +295,200 @@ def test_kernel_then_sync_comp_then_comm_stream_read(torch, ctx):
         assert s.item() == float((trial % 7 + 1) * (1 << 20)), trial
 
 
+def test_cupy_kernel_then_sync_comp_then_comm_stream_read_with_torch_imported(torch, cupy, ctx):
+    # torch is imported, so ctx.stream is torch's current stream (the legacy one here); the CuPy
+    # caller works on a non-blocking stream of its own, where its kernels run. sync_comp must
+    # order the comm stream after that stream too, and sync_comm that stream after comm.
+    cs = cupy.cuda.Stream(non_blocking=True)
+    comm = cupy.cuda.ExternalStream(ctx.comm_stream.handle)
+    n = 1 << 18
+    seen, back, alive = [], [], []
+    torch.cuda.synchronize()
+    with cs:
+        x = cupy.empty(n, dtype=cupy.float32)
+        for trial in range(TRIALS):
+            with torch.cuda.stream(torch.cuda.ExternalStream(cs.ptr)):
+                torch.cuda._sleep(SLEEP_CYCLES // 4)  # on `cs`, before the producer
+            x.fill(float(trial % 7 + 1))
+            y, _ = inferctx.dropout(x, 0.0, mask=None)  # on `cs`: CuPy's current stream
+            ctx.sync_comp()
+            with comm:
+                seen.append(y.sum())  # on the comm stream
+                z = cupy.empty(n, dtype=cupy.float32)
+                with torch.cuda.stream(torch.cuda.ExternalStream(comm.ptr)):
+                    torch.cuda._sleep(SLEEP_CYCLES // 4)
+                z.fill(float(trial % 5 + 1))  # written on comm late
+            ctx.sync_comm()
+            back.append(z.sum())  # on `cs`, after the comm stream's fill
+            alive.append((y, z))  # not freed while the other stream may still read them
+    cs.synchronize()
+    comm.synchronize()
+    for trial, (s, b) in enumerate(zip(seen, back)):
+        assert float(s) == float((trial % 7 + 1) * n), ("sync_comp", trial)
+        assert float(b) == float((trial % 5 + 1) * n), ("sync_comm", trial)
+
+
+def test_a_call_joining_an_outside_stream_under_capture_is_captured_and_replays_right(torch, ctx):
+    # ctx.stream is an adopted stream; a torch caller captures a GEMM into a DeviceView out=, so
+    # the call joins ctx.stream (outside the capture) with torch's capturing stream. No edge may
+    # cross a capture's boundary: the joins are left out there, and the capture stays valid.
+    engine = inferctx.Stream()
+    ctx.use_stream(engine)
+    a = _ints(torch, (64, 48), 1, torch.float32)
+    b = _ints(torch, (48, 32), 2, torch.float32)
+    out = inferctx._core._empty(0, (64, 32), "float32")
+    inferctx.gemm(a, b, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    engine.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        r = inferctx.gemm(a, b, out=out)
+    assert r is out
+    for seed in range(3, 8):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the producer's stream busy, then it writes a
+        a.copy_(_ints(torch, (64, 48), seed, torch.float32))
+        g.replay()
+        # read at once on the caller's stream, as a user would: no synchronize
+        assert torch.equal(torch.from_dlpack(out), a @ b), seed  # small integers: exact
+
+
+def test_a_call_with_a_stream_argument_under_capture_is_captured_and_replays_right(torch, ctx):
+    # stream= names a stream outside the capture: it joins the capture for the call (CUDA's fork
+    # pattern) and is joined back, so the kernel is in the graph and runs at every replay.
+    side = torch.cuda.Stream()
+    a = _ints(torch, (64, 48), 1, torch.float32)
+    b = _ints(torch, (48, 32), 2, torch.float32)
+    inferctx.gemm(a, b, stream=side)  # warm-up: the side stream's cuBLAS workspace
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        c = inferctx.gemm(a, b, stream=side)
+    for seed in range(3, 8):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the producer's stream busy, then it writes a
+        a.copy_(_ints(torch, (64, 48), seed, torch.float32))
+        g.replay()
+        assert torch.equal(c, a @ b), seed  # read at once, no synchronize; small integers: exact
+
+
+def test_a_call_refused_after_pulling_its_stream_into_a_capture_joins_it_back(torch, ctx):
+    # stream= outside the capture joins it when the call begins; an argument refused after that
+    # (a wrong out= shape) must join it back, or the capture could not end (unjoined work).
+    side = torch.cuda.Stream()
+    x = _ints(torch, (4096,), 3, torch.float32)
+    a = _ints(torch, (64, 48), 1, torch.float32)
+    b = _ints(torch, (48, 32), 2, torch.float32)
+    inferctx.gemm(a, b, stream=side)  # warm-up: the side stream's cuBLAS workspace
+    torch.cuda.synchronize()
+    wrong = torch.empty(7, device=x.device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = x * 2
+        with pytest.raises(ConfigError) as refused:
+            inferctx.dropout(x, 0.5, out=wrong, stream=side)
+        assert refused.value.argument == "out"
+        with pytest.raises(ConfigError) as refused:
+            inferctx.apply_mask(x, torch.zeros(128, dtype=torch.int32, device=x.device), 0.5,
+                                out=wrong, stream=side)
+        assert refused.value.argument == "out"
+        with pytest.raises(ConfigError) as refused:
+            inferctx.gemm(a, b, out=wrong, stream=side)
+        assert refused.value.argument == "out"
+        z = y + 1
+    for seed in range(3, 6):
+        x.copy_(_ints(torch, (4096,), seed, torch.float32))
+        g.replay()
+        assert torch.equal(z, x * 2 + 1), seed
+
+
+def test_a_default_stream_argument_under_capture_is_refused_naming_stream(torch, ctx):
+    # The legacy default stream cannot join a capture: a clear error, nothing launched, and the
+    # capture goes on.
+    x = _ints(torch, (4096,), 3, torch.float32)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = x * 2
+        for stream in (0, torch.cuda.default_stream(x.device), inferctx.Stream(0)):
+            with pytest.raises(ConfigError, match="cannot join the CUDA graph capture") as refused:
+                inferctx.dropout(x, 0.0, stream=stream)
+            assert refused.value.argument == "stream"
+        z = y + 1
+    g.replay()
+    assert torch.equal(z, x * 2 + 1)
+
+
+def test_stream_wait_on_a_bare_handle_of_a_capturing_stream_forks_the_capture(torch, ctx):
+    # Stream.wait(handle) is how a side stream joins a capture. Asking CUDA for the device of
+    # the capturing handle (cudaStreamGetDevice) would end the capture in error: the device is
+    # found another way.
+    side = inferctx.Stream()
+    x = _ints(torch, (4096,), 3, torch.float32)
+    y = torch.empty_like(x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        capturing = torch.cuda.current_stream()
+        x.add_(1)
+        side.wait(capturing.cuda_stream)  # an int: no device named
+        with torch.cuda.stream(torch.cuda.ExternalStream(side.handle)):
+            y.copy_(x)  # captured on the side stream, after the add
+        capturing.wait_stream(torch.cuda.ExternalStream(side.handle))  # joined back
+    start = x.clone()
+    g.replay()
+    assert torch.equal(y, start + 1)
+
+
+IMPORT_AFTER_WORK_SCRIPT = """
+import sys
+import types
+import torch
+
+# What the script uses of torch, used once first, so that no lazy import of torch's adds a module
+# later (inferctx looks for torch and CuPy again only when the number of modules changed).
+with torch.cuda.stream(torch.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)):
+    torch.cuda._sleep(1000)
+torch.from_dlpack(torch.ones(4, device="cuda")).fill_(1.0).sum()
+torch.cuda.synchronize()
+
+# inferctx first looks while sys.modules["torch"] is a stand-in without torch's types, so it
+# finds no torch until the number of modules changes: as if torch were imported only then.
+real = sys.modules["torch"]
+sys.modules["torch"] = types.ModuleType("torch")
+import inferctx
+from inferctx import _core
+
+ctx = inferctx.InferenceContext.instance(0)
+own = ctx.own_stream.handle
+assert ctx.stream.handle == own
+n = 1 << 22
+x = _core._empty(0, (n,), "float32")
+sys.modules["torch"] = real  # the same number of modules: inferctx does not look again
+with torch.cuda.stream(torch.cuda.ExternalStream(own)):
+    torch.cuda._sleep(100_000_000)  # ~50 ms on the context's own stream, before the work
+    torch.from_dlpack(x).fill_(1.0)
+y = x
+for _ in range(8):
+    y, _ = inferctx.dropout(y, 0.5, mask=None)  # on the own stream
+assert ctx.stream.handle == own, "inferctx saw torch too early: the test proves nothing"
+sys.modules["_inferctx_test_trigger"] = types.ModuleType("_inferctx_test_trigger")  # "import torch"
+early = torch.from_dlpack(y).sum()  # read on torch's current stream right away
+assert ctx.stream.handle != own
+torch.cuda.synchronize()
+late = torch.from_dlpack(y).sum()
+assert float(early) == float(late) and float(late) > 0, (float(early), float(late))
+print("ok")
+"""
+
+
+def test_work_queued_before_torch_is_imported_comes_before_torchs_stream():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", IMPORT_AFTER_WORK_SCRIPT], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], (run.stdout, run.stderr[-3000:])
+
+
 # ---- result types ----------------------------------------------------------------------------
 
 def test_torch_in_torch_out(torch, ctx):
@@ -485,6 +679,29 @@ def test_stream_of_another_device_is_refused(torch, ctx):
     with pytest.raises(ConfigError) as info:
         inferctx.dropout(x, 0.5, stream=other)
     assert info.value.argument == "stream" and "cuda:1" in str(info.value)
+    # Device 1's default stream is the legacy handle, which names no device by itself: the
+    # object says which.
+    before = ctx.rng_state
+    for default_of_1 in (torch.cuda.default_stream(1), inferctx.Stream(torch.cuda.default_stream(1))):
+        with pytest.raises(ConfigError) as info:
+            inferctx.dropout(x, 0.5, stream=default_of_1)
+        assert info.value.argument == "stream" and "cuda:1" in str(info.value)
+        with pytest.raises(ConfigError) as info:
+            inferctx.gemm(torch.ones(4, 4, device="cuda:0"), torch.ones(4, 4, device="cuda:0"),
+                          stream=default_of_1)
+        assert info.value.argument == "stream" and "cuda:1" in str(info.value)
+    assert ctx.rng_state == before  # nothing was launched
+    assert inferctx.Stream(torch.cuda.default_stream(1)).device == 1
+    # Operands on cuda:1 with the context of cuda:0: ctx is what is wrong, for every kernel.
+    x1 = torch.ones(64, device="cuda:1")
+    for call in (lambda: inferctx.dropout(x1, 0.5, ctx=ctx),
+                 lambda: inferctx.dropout(x1, 0.5, ctx=ctx, stream=torch.cuda.Stream(1)),
+                 lambda: inferctx.apply_mask(x1, torch.ones(2, dtype=torch.int32, device="cuda:1"), 0.5,
+                                             ctx=ctx),
+                 lambda: inferctx.gemm(x1.view(8, 8), x1.view(8, 8), ctx=ctx)):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == "ctx" and "cuda:1" in str(info.value), info.value
 
 
 # ---- the compiled torch paths give what the general path gives ------------------------------------

@@ -147,6 +147,54 @@ def test_gen_workspace_that_cannot_fit_keeps_the_previous_plan(ctx):
 
 
 @pytest.mark.gpu
+def test_concurrent_gen_workspace_calls_leave_one_plan_in_force(ctx):
+    """Two threads plan different requests at once (64 and 128 tokens), 100 times: after each
+    pair the plan and layout the view accessors use are those of the plan the C++ context holds
+    (its max_token_length), and asking again for that plan keeps it."""
+    import threading
+
+    wanted = (64, 128)
+    barrier = threading.Barrier(len(wanted))
+    errors = []
+
+    def plan(tokens):
+        try:
+            barrier.wait(timeout=60)
+            plan_small(ctx, max_out_tokens=tokens)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    seen = set()
+    for _ in range(100):
+        threads = [threading.Thread(target=plan, args=(t,)) for t in wanted]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        tokens = ctx.max_token_length  # the C++ context's plan
+        assert tokens in wanted
+        seen.add(tokens)
+        assert ctx.plan.max_tokens == tokens
+        assert ctx.kv_cache(0)[0].shape == (2, 2, tokens, 64)
+        again = plan_small(ctx, max_out_tokens=tokens)  # the plan in force stands
+        assert again.max_tokens == ctx.plan.max_tokens == ctx.max_token_length == tokens
+    assert seen  # which one ends last is up to the threads
+    plan_small(ctx)
+
+
+@pytest.mark.gpu
+def test_gen_workspace_plan_keeps_the_model_with_its_parameter_count(ctx):
+    from inferctx import ModelShape
+
+    model = ModelShape(4, 8, 512, num_kv_heads=2, num_params=123_456_789)
+    p = ctx.gen_workspace(model, batch_size=2, prompt_len=16, max_out_tokens=64, dtype="float16")
+    assert p.shape == model and p.shape.num_params == 123_456_789
+    assert p.shape.weights_bytes() == 2 * 123_456_789  # fp16
+    plan_small(ctx)
+
+
+@pytest.mark.gpu
 def test_gen_workspace_logs_the_plan_on_rank_0_only(ctx, caplog):
     with caplog.at_level(logging.INFO, logger="inferctx"):
         plan_small(ctx, batch_size=3)

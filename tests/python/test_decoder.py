@@ -202,10 +202,14 @@ def test_cpu_token_limit_batch_and_release(cpu):
     assert torch.equal(dec.generate(prompt).tokens, first)
     dec.prefill(prompt)
     dec.step()
+    logits = dec.logits.clone()
     dec.release(keep_contents=True)
     with pytest.raises(inferctx.WorkspaceStateError):
         dec.step()
+    with pytest.raises(inferctx.WorkspaceStateError, match="logits: the workspace is released"):
+        dec.logits  # no memory behind the view
     dec.retake()
+    assert torch.equal(dec.logits, logits)  # kept with the contents
     for _ in range(4):
         dec.step()
     assert torch.equal(dec.out_ids[:, 8:14], first)

@@ -404,3 +404,37 @@ def test_mask_out_errors():
         with pytest.raises(ConfigError) as info:
             inferctx.dropout(x, 0.5, mask=mode, mask_out=buf)
         assert info.value.argument == "mask_out"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", [["bits"], {}, {"bits": 1}, 2, True, b"bits"])
+def test_a_mask_that_is_no_mask_name_is_a_config_error_naming_mask(torch, mask):
+    x = torch.ones(100, device="cuda", dtype=torch.float16)
+    with pytest.raises(ConfigError) as info:  # a list or dict is unhashable: no TypeError
+        inferctx.dropout(x, 0.5, mask=mask)
+    assert info.value.argument == "mask"
+    assert "'bits' (default), 'bytes' or None" in str(info.value)
+
+
+@pytest.mark.gpu
+def test_a_refused_call_takes_no_philox_offset(torch):
+    """Refused for an out= or mask_out= that overlaps x: the context's offset is where it was,
+    and the next call draws what it would have drawn without the refused one."""
+    ctx = inferctx.InferenceContext.instance()
+    n = 1000
+    buf = torch.randn(n + 1, device="cuda", dtype=torch.float32)
+    x = buf[:n]
+    refused = [dict(out=buf[1:]),                                          # y shifted by one
+               dict(mask_out=x.view(torch.int32)[:(n + 31) // 32]),        # bits inside x
+               dict(mask="bytes", mask_out=x.view(torch.uint8)[8:8 + n])]  # bytes inside x
+    for kw in refused:
+        before = ctx.rng_state
+        with pytest.raises(ConfigError):
+            inferctx.dropout(x, 0.5, **kw)
+        assert ctx.rng_state == before, kw
+    seed, offset = ctx.rng_state
+    torch.cuda._sleep(100_000)  # the producer's stream busy: the reads below must wait for it
+    y, mask = inferctx.dropout(x, 0.5)
+    y_ref, mask_ref = inferctx.dropout(x, 0.5, seed=seed, offset=offset)
+    assert torch.equal(mask, mask_ref) and torch.equal(y, y_ref)  # read at once, no synchronize
+    assert ctx.rng_state == (seed, offset + 4)

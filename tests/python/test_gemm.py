@@ -543,6 +543,10 @@ def test_gpu_autotune_then_gemm_and_cache_file(ctx, tmp_path, capsys):
         assert r["skipped"] is False and r["tuned_ms"] > 0 and r["valid"] >= 1
         assert r["backend"] in ("cublasLt", "cublas")
         assert r["default_ms"] is None or r["tuned_ms"] <= r["default_ms"]
+        # cuBLASLt only when at least 1% faster than cublasGemmEx; else cublasGemmEx stays
+        assert r["algo_index"] == 0 or r["tuned_ms"] <= 0.99 * r["default_ms"], r
+        assert r["default_ms"] is not None  # cublasGemmEx, what gemm runs untuned, was timed
+        assert (r["algo_index"] == 0) == (r["backend"] == "cublas"), r  # and is candidate 0
     entries = gm.gemm_cache_entries()
     assert len(entries) == 2
     # Tuned results equal untuned ones (and the float64 reference).

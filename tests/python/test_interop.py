@@ -113,6 +113,42 @@ def test_dlpack_import_reads_consumes_and_releases(versioned, with_strides):
     assert producer.deleted == [ctypes.addressof(producer.managed)]
 
 
+@pytest.mark.parametrize("shape,nbytes", [((2**62 + 1, 4), None), ((2**61, 2), None), ((2**62, 1), None),
+                                          ((-3, 4), None), ((2**62 + 1, 0), 0), ((2**61, 1), 2**62)])
+def test_dlpack_shape_whose_bytes_pass_int64_is_refused(shape, nbytes):
+    """bfloat16 items: (2**62 + 1) * 4 wraps to 4 elements in int64; 2**61 * 2 elements are 2**63
+    bytes. A zero size makes any other size harmless; 2**62 bytes still count."""
+    producer = CtypesProducer(True, False)
+    producer.shape[0], producer.shape[1] = shape
+    if nbytes is None:
+        with pytest.raises(ConfigError) as info:
+            _core._as_cuda_array(producer, "w")
+        assert info.value.argument == "w" and str(shape).replace(" ", "") in str(info.value).replace(" ", "")
+    else:
+        assert _core._as_cuda_array(producer, "w").nbytes == nbytes
+
+
+def test_cuda_array_interface_shape_whose_bytes_pass_int64_is_refused():
+    class Liar:  # a null pointer: refused for its shape before anything asks CUDA about it
+        __cuda_array_interface__ = {"shape": (2**62 + 1, 4), "typestr": "<f4", "data": (0, False),
+                                    "version": 3}
+
+    with pytest.raises(ConfigError, match=r"more than 2\*\*63 - 1 bytes") as info:
+        _core._as_cuda_array(Liar(), "x")
+    assert info.value.argument == "x"
+
+
+@pytest.mark.parametrize("mask", [["bits"], {}, {"bits": 2}, 2, b"bits"])
+def test_dropout_mask_that_is_no_mask_name_is_refused_naming_mask(mask):
+    """Checked before the operand is read, so on any machine; a list or dict is unhashable and
+    once made a TypeError of the lookup."""
+    import inferctx
+
+    with pytest.raises(ConfigError) as info:
+        inferctx.dropout(CtypesProducer(True, False), 0.5, mask=mask)
+    assert info.value.argument == "mask" and "'bits' (default), 'bytes' or None" in str(info.value)
+
+
 # -- DeviceView as a CudaArray ----------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -327,3 +363,15 @@ def test_dlpack_import_stream_argument(ctx):
     del a
     gc.collect()
     s.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2**63,), (2**64 + 1, 1), (2**62, 4), (3, 2**63 - 1)])
+def test_new_view_of_a_shape_past_int64_is_refused_naming_shape(ctx, shape):
+    """A size past int64 itself, and sizes whose float32 bytes pass it (2**62 * 4 * 4 bytes,
+    3 * (2**63 - 1) elements): ConfigError, not OverflowError, and nothing allocated."""
+    before = ctx.memory_pool.allocations
+    with pytest.raises(ConfigError) as info:
+        _core._empty(ctx.device, shape, "float32")
+    assert info.value.argument == "shape"
+    assert ctx.memory_pool.allocations == before

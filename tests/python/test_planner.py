@@ -496,3 +496,40 @@ def test_numpy_booleans_are_flags_and_other_values_are_not():
     plan = inferctx.plan_workspace("llama-2-7b", batch_size=1, prompt_len=8, max_out_tokens=64,
                                    gpu="h100-80gb", external_cache=np.True_)
     assert plan.external_cache is True
+
+
+def _granular_plan(shape, tokens, free, granularity):
+    """plan_workspace of a context's gen_workspace: `tokens` for every row, its mapping's
+    granularity."""
+    from inferctx import _plan
+    from inferctx.planning import _resolve
+
+    fields, _ = _resolve(shape, batch_size=8, prompt_len=16, max_out_tokens=tokens, min_out_tokens=tokens,
+                         dtype="float16", mp_size=1, rank=0, external_cache=False, policy="exact",
+                         free_bytes=free, total_bytes=free, gpu=None, weights_bytes=None, reserve_bytes=None,
+                         memory_limit_bytes=None, memory_fraction=None, device=None)
+    fields["allocation_granularity"] = granularity
+    return _plan._plan(fields)
+
+
+def test_the_most_tokens_a_context_holds_count_its_mapping_granularity():
+    """What the decoder offers when a plan is too long: the context rounds its workspace up to
+    whole 2 MiB mappings, so the most tokens that fit can be fewer than plan_workspace's, and the
+    figure must be the context's (it fits there; one more does not)."""
+    from inferctx.planning import _context_max_out_tokens
+
+    shape = ModelShape(4, 8, 512, num_kv_heads=2)
+    granule = 2 << 20
+    fewer = 0
+    for free in range(700 << 20, 760 << 20, 3 << 20):
+        plain = _context_max_out_tokens(shape, batch_size=8, prompt_len=16, dtype="float16", free_bytes=free,
+                                        total_bytes=free, allocation_granularity=0)
+        most = _context_max_out_tokens(shape, batch_size=8, prompt_len=16, dtype="float16", free_bytes=free,
+                                       total_bytes=free, allocation_granularity=granule)
+        assert 16 <= most <= plain
+        fewer += most < plain
+        plan = _granular_plan(shape, most, free, granule)
+        assert plan["workspace_bytes"] % granule == 0 and plan["max_tokens"] == most
+        with pytest.raises(WorkspaceOOMError):
+            _granular_plan(shape, most + 1, free, granule)
+    assert fewer > 0  # the granularity made a difference at some of these sizes

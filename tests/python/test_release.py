@@ -527,3 +527,62 @@ def test_the_readme_release_example_runs_as_written(tmp_path):
     done = subprocess.run([sys.executable, "-c", blocks[0]], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.gpu
+def test_python_threads_go_on_while_a_release_copies_the_workspace(ctx):
+    """A keep_contents release of 4.8 GiB holds the context's lock while it copies to the host.
+    A thread that asks ctx.released meanwhile waits for that lock without the GIL, so the other
+    Python threads go on (before, they stopped until the copy was done)."""
+    from inferctx import ModelShape
+
+    ctx.gen_workspace(ModelShape(num_layers=64, num_heads=8, hidden_dim=512, num_kv_heads=8),
+                      batch_size=32, prompt_len=16, max_out_tokens=1024, dtype="float16")
+    assert ctx.workspace_bytes == int(4.8125 * (1 << 30))
+    try:
+        _threads_go_on_during_release(ctx)
+    finally:  # the next tests start from a held workspace of the usual plan, without the host copy
+        if ctx.released:
+            ctx.retake_workspace()
+        ctx.release_workspace()
+        ctx.retake_workspace()
+        plan_small(ctx)
+
+
+def _threads_go_on_during_release(ctx):
+    import threading
+    import time
+
+    torch = pytest.importorskip("torch")
+    # Written first: the release copies every byte, and initcheck (pysanitize) would report each
+    # never-written one.
+    torch.from_dlpack(ctx.workspace).view(torch.uint8).fill_(0)
+    started = threading.Event()
+    answers = []
+
+    def release():
+        started.set()
+        ctx.release_workspace(keep_contents=True)
+
+    def ask():
+        answers.append(ctx.released)  # waits for the release's lock
+
+    releaser = threading.Thread(target=release)
+    asker = threading.Thread(target=ask)
+    releaser.start()
+    started.wait()
+    time.sleep(0.01)  # the release has taken the lock: it pins 4.8 GiB and copies into it
+    asker.start()
+    # This thread's longest stop while the release runs: with the asker holding the GIL while it
+    # waits, this thread would stop until the release was done (hundreds of ms).
+    longest, last = 0.0, time.perf_counter()
+    deadline = last + 30
+    while releaser.is_alive() and time.perf_counter() < deadline:
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    releaser.join(timeout=120)
+    asker.join(timeout=120)
+    assert not releaser.is_alive() and not asker.is_alive(), "the release or ctx.released did not return"
+    assert answers == [True] or answers == [False], answers
+    assert longest < 0.1, longest
+

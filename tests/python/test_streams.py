@@ -130,3 +130,68 @@ def test_wait_orders_two_streams():
         y = x.clone()
     second.synchronize()
     assert float(y.min()) == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+def test_wait_for_a_stream_of_another_device():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    # The event goes on the other device's stream, so it is made on that device; before, it was
+    # made on the waiting stream's and recording it failed.
+    ours = Stream(device=1)
+    for other, as_torch in ((ours, torch.cuda.ExternalStream(ours.handle, device="cuda:1")),
+                            (torch.cuda.Stream(1),) * 2, (torch.cuda.default_stream(1),) * 2):
+        waiting = Stream(device=0)
+        x1 = torch.zeros(1 << 20, device="cuda:1")
+        torch.cuda.synchronize(1)
+        with torch.cuda.device(1), torch.cuda.stream(as_torch):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time on cuda:1 before the write
+            x1.fill_(1.0)
+        waiting.wait(other)
+        # torch runs a peer copy on the source device's current stream, after that stream's work
+        # and the destination's current stream's: a fresh stream on cuda:1 leaves the waiting
+        # stream as the copy's only order after the write.
+        with torch.cuda.stream(torch.cuda.Stream(1)), \
+                torch.cuda.stream(torch.cuda.ExternalStream(waiting.handle, device="cuda:0")):
+            y = x1.to("cuda:0", non_blocking=True)
+        waiting.synchronize()
+        assert float(y.min()) == 1.0, other
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+def test_a_default_stream_waits_for_a_stream_of_another_device():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    # The legacy handle names the current device's default stream: the wait is made with the
+    # waiting stream's device current, not the event's (before, cuda:1's default stream waited).
+    other = torch.cuda.Stream(1)
+    waiting = Stream(torch.cuda.default_stream(0))
+    assert waiting.device == 0
+    x1 = torch.zeros(1 << 20, device="cuda:1")
+    torch.cuda.synchronize(1)
+    with torch.cuda.device(1), torch.cuda.stream(other):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time on cuda:1 before the write
+        x1.fill_(1.0)
+    with torch.cuda.device(1):  # the current device is the other one
+        waiting.wait(other)
+    with torch.cuda.stream(torch.cuda.Stream(1)), torch.cuda.stream(torch.cuda.default_stream(0)):
+        y = x1.to("cuda:0", non_blocking=True)  # ordered after the write only through `waiting`
+    torch.cuda.synchronize(0)
+    assert float(y.min()) == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+def test_an_event_is_not_recorded_on_a_default_stream_of_another_device():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    event = Event(0)
+    with pytest.raises(ConfigError, match="make the Event with device=1") as refused:
+        event.record(torch.cuda.default_stream(1))  # the legacy handle: cuda:0's stream, were it taken
+    assert refused.value.argument == "stream"
+    assert event.record(torch.cuda.default_stream(0)) is event

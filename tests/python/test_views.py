@@ -11,6 +11,7 @@ from gpu_context import (KV_SHAPE, KV_TENSOR_BYTES, WORKSPACE_BYTES, ctx,  # noq
                          pinned_of, plan_small)
 
 from inferctx import ConfigError
+from inferctx import _core
 from inferctx._core import DeviceView, _empty
 from inferctx.context import PinnedBuffer
 
@@ -20,6 +21,65 @@ np = pytest.importorskip("numpy")
 def test_views_are_not_constructed_directly():
     with pytest.raises(TypeError, match="InferenceContext"):
         DeviceView()
+
+
+# Each class of _core, made with T.__new__(T) (no constructor run), then every attribute read and
+# every method called with no arguments. Made by __new__ alone, DeviceView, InferenceContext and
+# MemoryPool had no C++ object behind them and crashed the process on first use; now __new__
+# refuses them, and whatever the others give is an exception or a value. In a child process, so
+# that a crash is a failed test and the attribute it died on is known.
+NEW_OBJECTS_SCRIPT = """
+import sys
+import inferctx
+from inferctx import _core, _plan
+from inferctx.context import InferenceContext
+
+classes = [InferenceContext] + [
+    t for module in (_core, _plan) for t in vars(module).values()
+    if isinstance(t, type) and not issubclass(t, BaseException) and t.__module__.startswith("inferctx")]
+for cls in sorted(set(classes), key=lambda t: (t.__module__, t.__name__)):
+    try:
+        obj = cls.__new__(cls)
+    except TypeError:
+        print("refused", cls.__name__, flush=True)
+        continue
+    for name in sorted(dir(cls)):
+        if name in ("__class__", "__init__", "__new__", "__init_subclass__", "__subclasshook__",
+                    "__del__", "__dealloc__"):
+            continue
+        print("try", cls.__name__, name, flush=True)
+        try:
+            value = getattr(obj, name)
+            if callable(value):
+                value()
+        except BaseException:
+            pass
+print("done", flush=True)
+"""
+
+
+def test_objects_made_by_new_alone_are_refused_or_safe():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", NEW_OBJECTS_SCRIPT], capture_output=True,
+                         text=True, timeout=300)
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0 and lines[-1:] == ["done"], (run.returncode, lines[-1:], run.stderr[-2000:])
+    refused = {line.split()[1] for line in lines if line.startswith("refused ")}
+    assert {"DeviceView", "InferenceContext", "MemoryPool"} <= refused, refused
+
+
+def test_a_stream_made_by_new_alone_is_refused_where_a_stream_is_taken():
+    """Its handle is 0, which the handle lookup returned with no exception set: Cython then
+    raised nothing (CPython 3.11: SystemError) or crashed (3.12). Checked before anything else,
+    so on any machine."""
+    from inferctx.context import Stream
+
+    empty = Stream.__new__(Stream)
+    with pytest.raises(ConfigError, match="holds no handle") as refused:
+        _core._as_cuda_array(object(), "x", stream=empty)
+    assert refused.value.argument == "stream"
 
 
 def fill(view, values):

@@ -30,7 +30,8 @@ class CublasHandle {
   int64_t workspace_bytes() const noexcept { return workspace_->size(); }
   int device() const noexcept { return device_; }
 
-  void set_stream(cudaStream_t stream);  // bind_stream, checked; nullptr refused (stream.hpp)
+  // bind_stream, checked, under mutex(); nullptr refused (stream.hpp).
+  void set_stream(cudaStream_t stream);
   cudaStream_t stream() const noexcept { return stream_; }
   // Runs the handle's calls on `stream` (without recording it as stream()): cublasSetStream,
   // then cublasSetWorkspace again, because setting a stream resets cuBLAS to its own workspace
@@ -38,7 +39,7 @@ class CublasHandle {
   // for destructors.
   cublasStatus_t bind_stream(cudaStream_t stream) noexcept;
   // TF32 tensor-op math for fp32 GEMMs (CUBLAS_TF32_TENSOR_OP_MATH) when true, default otherwise.
-  void set_tf32(bool enabled);
+  void set_tf32(bool enabled);  // under mutex()
   bool tf32() const noexcept { return tf32_; }
 
   // One call at a time: cuBLAS handles are not safe to share between threads that switch their

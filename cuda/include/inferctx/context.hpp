@@ -144,7 +144,9 @@ class InferenceContext {
   mutable std::mutex mutex_;  // guards the workspace, the plan and the streams
   std::unique_ptr<CublasHandle> cublas_;
   Stream own_stream_, comm_stream_;
-  cudaStream_t compute_ = nullptr;  // own_stream_ or an adopted external stream
+  // own_stream_ or an adopted external stream; written under mutex_, read without it (stream()
+  // is asked on every call that orders by ctx.stream).
+  std::atomic<cudaStream_t> compute_{nullptr};
   std::unique_ptr<Event> comp_done_, comm_done_;
   bool has_plan_ = false;
   WorkspacePlan plan_;

@@ -76,6 +76,12 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
 void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
                      const PhiloxSource& source, cudaStream_t stream, int device = -1, int max_blocks = 0);
 
+// Forward drawing from `rng` (a context's graph_rng(): increment_offset(4) on a stream that is
+// not capturing, a new call site on one that is), after the arguments are checked: a call
+// refused for its arguments takes no offset and no site.
+void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
+                     GraphRng& rng, cudaStream_t stream, int device = -1, int max_blocks = 0);
+
 // Backward: out_i = mask_i ? to_dtype(fl32((float)grad_i * dropout_scale(p))) : +0, for a mask
 // made by dropout_forward with the same p (Bytes: any nonzero byte counts as set; Bits: the
 // layout above, bits past n ignored). out may be grad itself. mask_mode must be Bytes or Bits.

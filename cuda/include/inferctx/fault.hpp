@@ -1,6 +1,6 @@
 // Test-only failure injection: makes the N-th call at one kind of site fail with a chosen code,
 // so that tests can reach every error path of the allocations, virtual-memory calls, stream and
-// event creation and cuBLAS calls. Compiled in only with INFERCTX_FAULT_INJECTION (CMake option
+// event creation, cuBLAS calls and the pool's device synchronisations. Compiled in only with INFERCTX_FAULT_INJECTION (CMake option
 // of the same name, which the ctest build turns on); in every other build `invoke` is the call
 // itself and `injected` is a constant 0, so release builds carry none of it.
 #pragma once
@@ -16,8 +16,9 @@ enum class Site : int {
   event = 3,           // cudaEventCreate*
   stream = 4,          // cudaStreamCreate*
   cublas = 5,          // every cuBLAS / cuBLASLt status checked (the call runs; its status is replaced)
+  synchronize = 6,     // the pool's cudaDeviceSynchronize (a block's unordered free, trim)
 };
-inline constexpr int kSiteCount = 6;
+inline constexpr int kSiteCount = 7;
 
 #if defined(INFERCTX_FAULT_INJECTION) && INFERCTX_FAULT_INJECTION
 inline constexpr bool kCompiledIn = true;

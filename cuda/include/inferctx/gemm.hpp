@@ -97,7 +97,8 @@ GemmProblem normalized_gemm_problem(const GemmProblem& problem);
 // (zeros when beta = 0), as BLAS defines it.
 // The algorithm is the autotuned one when the cache has it for this problem (same device,
 // shape, leading dimensions, batch strides, dtype, transposes and operand alignment),
-// otherwise cuBLASLt's heuristic first choice, looked up once per problem and cached.
+// otherwise cublasGemmEx (or its strided batched form) with CUBLAS_GEMM_DEFAULT, the call
+// torch.matmul makes, so that an untuned product gives torch's bits.
 // Calls sharing a handle must not run concurrently on different streams: they share the
 // handle's workspace (as cuBLAS's own calls do).
 void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem, const void* a,
@@ -119,25 +120,30 @@ struct GemmTuneOptions {
   int warmup = 3;              // untimed runs of each candidate, >= 0
   int repeats = 7;             // timed batches per candidate (the median counts), >= 1
   double min_batch_ms = 0.25;  // runs per timed batch are chosen to last at least this, > 0
-  bool include_cublas = true;  // also time cublasGemmEx (the path PyTorch takes)
 };
 
 struct GemmTuneResult {
   int backend = 0;             // GemmBackend of the winner
-  int algo_index = 0;          // position in the heuristic's list (0: its first choice); -1: Cublas
+  int algo_index = 0;          // 0: cublasGemmEx (the untuned default); i > 0: cuBLASLt's i-th candidate
   std::vector<uint64_t> algo;  // the winner's cublasLtMatmulAlgo_t words (8), empty for Cublas
   int algo_id = -1, tile_id = -1, stages_id = -1, splitk = -1;  // its configuration (-1: Cublas)
-  double default_ms = 0.0;     // median time of the heuristic's first choice
+  double default_ms = 0.0;     // median time of cublasGemmEx, what gemm runs untuned
   double best_ms = 0.0;        // median time of the winner
   int candidates = 0;          // algorithms tried
-  int valid = 0;               // of those, ones that ran and matched the first choice's result
+  int valid = 0;               // of those, ones that ran and matched cublasGemmEx's result
   int rotated_sets = 1;        // operand copies cycled through so that no run hits in L2
 };
 
-// Times cuBLASLt's candidate algorithms for `problem` (and cublasGemmEx unless disabled) on
-// operands it allocates and fills with random values (256-byte aligned, laid out as the
-// problem says), keeps the fastest whose result matches the heuristic's first choice within
-// the dtype's tolerance, and caches it for this device. Synchronises `stream`. Needs
+// A cuBLASLt algorithm replaces cublasGemmEx (torch.matmul's call, and its bits) only when its
+// median time is at least this fraction below cublasGemmEx's: medians of a few batches differ by
+// noise of about that size, and a win on noise would give up torch's bits for nothing.
+inline constexpr double kTuneMinGain = 0.01;
+
+// Times cublasGemmEx (what gemm runs untuned) and cuBLASLt's candidate algorithms for
+// `problem` on operands it allocates and fills with random values (256-byte aligned, laid out
+// as the problem says), keeps the fastest whose result matches cublasGemmEx's within the
+// dtype's tolerance (cublasGemmEx unless another beats it by kTuneMinGain), and caches it for
+// this device. Synchronises `stream`. Needs
 // m, n, k, batch >= 1 (ConfigError). Same concurrency rule as gemm.
 GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
                          const GemmTuneOptions& options = GemmTuneOptions());

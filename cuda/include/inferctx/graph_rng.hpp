@@ -98,7 +98,7 @@ struct GraphRngStats {
   uint64_t seed;
   uint64_t offset;       // the next eager offset
   uint64_t epoch;        // set_seed calls so far
-  uint64_t sites;        // call sites captured since the last set_seed
+  uint64_t sites;        // call sites captured so far (never reset, set_seed included)
   int64_t live_sites;    // sites whose graph (or an executable graph of it) still exists
   int64_t slots;         // device slots allocated (live or free for reuse)
 };

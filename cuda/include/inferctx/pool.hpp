@@ -10,9 +10,15 @@
 // export, a DLPack export with stream -1) is noted as such. When the last owner lets go, the
 // block is freed on the pool's own stream after that stream has waited (by events recorded
 // then) for every noted stream (or, used on one durable stream only, in that stream's order). An event can be recorded at that time only on a stream that
-// still exists, so this is done for the durable streams alone (the default streams, the pool's
-// own, and those note_durable names: the contexts' own and comm streams); a use on any other
-// stream, or an unknown use, is waited for by a device-wide synchronisation before the free.
+// still exists, so this is done for the durable streams alone (the legacy default stream, the
+// pool's own, and those note_durable names: the contexts' own and comm streams); a use on any
+// other stream (the per-thread default stream of another thread than the freeing one included:
+// that handle names the calling thread's), or an unknown use, is waited for by a device-wide
+// synchronisation before the free. That synchronisation is refused while any thread captures
+// into a CUDA graph on the device, and the attempt invalidates that capture, in every capture
+// mode: a block used on such a stream is not to be let go while a capture is in progress. Where
+// it is refused, the block stays allocated (and counted) until a later one succeeds (the next
+// such free, or trim()).
 // So memory is never handed out again while any stream that was seen using it may still do so.
 #pragma once
 
@@ -32,7 +38,7 @@ struct PoolStats {
   int64_t used_bytes;           // of which handed out
   int64_t peak_reserved_bytes;  // high-water marks since the pool was made or reset_peak()
   int64_t peak_used_bytes;
-  int64_t allocations;          // blocks handed out and not yet freed
+  int64_t allocations;          // blocks handed out and not yet freed (deferred frees included)
 };
 
 class DevicePool;
@@ -52,6 +58,7 @@ class PooledAllocation final : public DeviceAllocation {
   std::shared_ptr<DevicePool> pool_;
   std::mutex mutex_;
   std::vector<cudaStream_t> users_;
+  std::vector<uint64_t> per_thread_users_;  // threads (this_thread_serial) that noted cudaStreamPerThread
   bool unknown_use_ = false;
 };
 
@@ -84,9 +91,17 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
  private:
   explicit DevicePool(int device);
   friend class PooledAllocation;
-  void release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use) noexcept;
+  // `other_threads_per_thread_stream`: cudaStreamPerThread was noted on a thread other than the
+  // calling one (which that handle does not name here).
+  void release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use,
+               bool other_threads_per_thread_stream) noexcept;
   cudaEvent_t take_event();           // from the free list (or a new one)
   void give_event(cudaEvent_t event) noexcept;
+  uint64_t deferral_mark();  // taken before a device synchronisation, for free_deferred
+  // Frees the blocks deferred before `before` was taken (after a device synchronisation that
+  // began after it).
+  void free_deferred(uint64_t before) noexcept;
+  void freed() noexcept;  // a block's free is queued: one allocation fewer
 
   int device_ = 0;
   cudaMemPool_t pool_ = nullptr;
@@ -94,6 +109,14 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   mutable std::mutex mutex_;
   std::vector<cudaEvent_t> events_;
   std::vector<cudaStream_t> durable_;
+  // Blocks whose users could not be waited for when let go (the device synchronisation was
+  // refused); freed after the next one that succeeds.
+  struct Deferred {
+    void* ptr;
+    uint64_t mark;
+  };
+  std::vector<Deferred> deferred_;
+  uint64_t next_deferral_ = 0;
   int64_t live_ = 0;
   bool durable(cudaStream_t stream) const;  // mutex_ held
 };

@@ -62,6 +62,9 @@ class Event {
   int device() const noexcept { return device_; }
   void record(cudaStream_t stream);        // cudaEventRecord; nullptr refused
   void make_wait(cudaStream_t stream);     // cudaStreamWaitEvent(stream, this); nullptr refused
+  // The same with `stream_device` current (-1: this event's device): the device whose default
+  // stream the handles cudaStreamLegacy and cudaStreamPerThread then name.
+  void make_wait(cudaStream_t stream, int stream_device);
   bool query() const;                      // true when complete
   void synchronize() const;
   float elapsed_ms_since(const Event& start) const;  // both need timing=true (else ConfigError)

@@ -23,17 +23,22 @@ __all__ = ["ReferenceDecoder", "Generation"]
 
 
 def _too_long(exc: WorkspaceOOMError, s: ModelSpec, batch: int, prompt_len: int, new: int,
-              dtype: str) -> WorkspaceOOMError:
+              dtype: str, granularity: int) -> WorkspaceOOMError:
     """The planner's refusal of a full-length plan, in the decoder's terms: what the memory it
-    measured holds, and the max_new_tokens or batch_size that would fit."""
-    from ..planning import human_bytes, max_out_tokens_for
+    measured holds, and the max_new_tokens or batch_size that would fit. `exc` itself where it
+    is no such refusal (the plan fits those figures: the memory went, or the mapping failed)."""
+    from ..planning import _context_max_out_tokens, human_bytes
 
     if exc.free_bytes is None or exc.total_bytes is None:
         return exc
     # The planner's own hint gives the batch (every row holding all its tokens); a request that
-    # must hold all of them has no smaller max_out_tokens to offer, so that one is asked here.
-    most = max_out_tokens_for(s.model_shape(), batch_size=batch, prompt_len=prompt_len, dtype=dtype,
-                              free_bytes=exc.free_bytes, total_bytes=exc.total_bytes)
+    # must hold all of them has no smaller max_out_tokens to offer, so that one is asked here,
+    # as the context plans: its memory figures and its mapping's granularity.
+    most = _context_max_out_tokens(s.model_shape(), batch_size=batch, prompt_len=prompt_len, dtype=dtype,
+                                   free_bytes=exc.free_bytes, total_bytes=exc.total_bytes,
+                                   allocation_granularity=granularity)
+    if most >= prompt_len + new:
+        return exc
     rows = exc.max_batch_size or 0
     hints = ([f"max_new_tokens <= {most - prompt_len}"] if most > prompt_len else []) + (
         [f"batch_size <= {rows}"] if rows >= 1 else [])
@@ -133,7 +138,11 @@ class ReferenceDecoder:
             self.plan = ctx.gen_workspace(s.model_shape(), batch_size=self.batch, prompt_len=self.prompt_len,
                                           max_out_tokens=total, min_out_tokens=total, dtype=self.dtype_name)
         except WorkspaceOOMError as exc:
-            raise _too_long(exc, s, self.batch, self.prompt_len, self.max_new_tokens, self.dtype_name) from None
+            too_long = _too_long(exc, s, self.batch, self.prompt_len, self.max_new_tokens, self.dtype_name,
+                                 getattr(ctx, "allocation_granularity", 0))
+            if too_long is exc:
+                raise
+            raise too_long from None
         self.max_tokens = self.plan.max_tokens
         self.eps = float(model.config.layer_norm_epsilon if s.arch == "gpt2" else model.config.rms_norm_eps)
         scale = s.head_dim ** -0.5
@@ -195,7 +204,12 @@ class ReferenceDecoder:
 
     @property
     def logits(self) -> torch.Tensor:
-        """The last step's logits [batch, vocab] (a workspace view, overwritten by the next step)."""
+        """The last step's logits [batch, vocab] (a workspace view, overwritten by the next step).
+        WorkspaceStateError while the workspace is released (no memory is behind the view)."""
+        self._check_state("logits")
+        return self._logits()
+
+    def _logits(self) -> torch.Tensor:
         return self.buf["logits"].view(self.batch, self.spec.vocab_size)
 
     @property
@@ -339,8 +353,8 @@ class ReferenceDecoder:
                 self._linear(up, lw.down, lw.down_b, tmp)
             self._residual(x, tmp, N)
         last = x if decode else x.view(b, n, h)[:, n - 1]
-        be.gemm(self._norm(last, w.norm_w, w.norm_b), w.lm_head, self.logits, trans_b=True)
-        torch.argmax(self.logits, -1, out=self.tokens)
+        be.gemm(self._norm(last, w.norm_w, w.norm_b), w.lm_head, self._logits(), trans_b=True)
+        torch.argmax(self._logits(), -1, out=self.tokens)
         if decode:
             self.pos.add_(1)
             self.out_ids.index_copy_(1, self.pos, self.tokens.view(b, 1))
@@ -448,13 +462,13 @@ class ReferenceDecoder:
             rows, length = self._rows, self._length
             if logits is not None:
                 with self._on_stream():
-                    logits[0].copy_(self.logits[:rows])
+                    logits[0].copy_(self._logits()[:rows])
             for i in range(1, n):
                 self.step(graph)  # TokenLimitError past max_token_length
                 mark()
                 if logits is not None:
                     with self._on_stream():
-                        logits[i].copy_(self.logits[:rows])
+                        logits[i].copy_(self._logits()[:rows])
         finally:
             if self._stream is not None:  # the caller's stream waits for what was queued here
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
