@@ -132,23 +132,35 @@ def test_wait_orders_two_streams():
     assert float(y.min()) == 1.0
 
 
-@pytest.mark.gpu
-@pytest.mark.multi_gpu
-def test_wait_for_a_stream_of_another_device():
+def _two_gpus_torch():
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
+    return torch
+
+
+def _ones_written_late_on_cuda1(torch, stream):
+    """A tensor of cuda:1 that `stream` (a torch stream of cuda:1) fills with ones after ~50 ms
+    of GPU time."""
+    x1 = torch.zeros(1 << 20, device="cuda:1")
+    torch.cuda.synchronize(1)
+    with torch.cuda.device(1), torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)
+        x1.fill_(1.0)
+    return x1
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+def test_wait_for_a_stream_of_another_device():
+    torch = _two_gpus_torch()
     # The event goes on the other device's stream, so it is made on that device; before, it was
     # made on the waiting stream's and recording it failed.
     ours = Stream(device=1)
     for other, as_torch in ((ours, torch.cuda.ExternalStream(ours.handle, device="cuda:1")),
                             (torch.cuda.Stream(1),) * 2, (torch.cuda.default_stream(1),) * 2):
         waiting = Stream(device=0)
-        x1 = torch.zeros(1 << 20, device="cuda:1")
-        torch.cuda.synchronize(1)
-        with torch.cuda.device(1), torch.cuda.stream(as_torch):
-            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time on cuda:1 before the write
-            x1.fill_(1.0)
+        x1 = _ones_written_late_on_cuda1(torch, as_torch)
         waiting.wait(other)
         # torch runs a peer copy on the source device's current stream, after that stream's work
         # and the destination's current stream's: a fresh stream on cuda:1 leaves the waiting
@@ -163,19 +175,13 @@ def test_wait_for_a_stream_of_another_device():
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 def test_a_default_stream_waits_for_a_stream_of_another_device():
-    torch = pytest.importorskip("torch")
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
+    torch = _two_gpus_torch()
     # The legacy handle names the current device's default stream: the wait is made with the
     # waiting stream's device current, not the event's (before, cuda:1's default stream waited).
     other = torch.cuda.Stream(1)
     waiting = Stream(torch.cuda.default_stream(0))
     assert waiting.device == 0
-    x1 = torch.zeros(1 << 20, device="cuda:1")
-    torch.cuda.synchronize(1)
-    with torch.cuda.device(1), torch.cuda.stream(other):
-        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time on cuda:1 before the write
-        x1.fill_(1.0)
+    x1 = _ones_written_late_on_cuda1(torch, other)
     with torch.cuda.device(1):  # the current device is the other one
         waiting.wait(other)
     with torch.cuda.stream(torch.cuda.Stream(1)), torch.cuda.stream(torch.cuda.default_stream(0)):
@@ -187,9 +193,7 @@ def test_a_default_stream_waits_for_a_stream_of_another_device():
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 def test_an_event_is_not_recorded_on_a_default_stream_of_another_device():
-    torch = pytest.importorskip("torch")
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
+    torch = _two_gpus_torch()
     event = Event(0)
     with pytest.raises(ConfigError, match="make the Event with device=1") as refused:
         event.record(torch.cuda.default_stream(1))  # the legacy handle: cuda:0's stream, were it taken
