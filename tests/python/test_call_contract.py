@@ -300,7 +300,11 @@ def test_cupy_kernel_then_sync_comp_then_comm_stream_read_with_torch_imported(to
     # caller works on a non-blocking stream of its own, where its kernels run. sync_comp must
     # order the comm stream after that stream too, and sync_comm that stream after comm.
     cs = cupy.cuda.Stream(non_blocking=True)
-    comm = cupy.cuda.ExternalStream(ctx.comm_stream.handle)
+    # CuPy 14 wraps a stream of the CUDA stream protocol with Stream.from_external (its
+    # ExternalStream is deprecated there); earlier CuPy has ExternalStream only.
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    comm = (from_external(ctx.comm_stream) if from_external is not None
+            else cupy.cuda.ExternalStream(ctx.comm_stream.handle))
     n = 1 << 18
     seen, back, alive = [], [], []
     torch.cuda.synchronize()
