@@ -298,14 +298,12 @@ def max_out_tokens_for(shape: ModelShape | str, *, batch_size: int, prompt_len: 
 
 def _context_max_out_tokens(shape: ModelShape, *, batch_size: int, prompt_len: int, dtype: Any,
                             free_bytes: int, total_bytes: int, allocation_granularity: int) -> int:
-    """max_out_tokens_for as a context's gen_workspace plans it (default budget, no weights, its
-    memory figures and its mapping's granularity, to which the workspace is rounded up)."""
-    fields, _ = _resolve(shape, batch_size=batch_size, prompt_len=prompt_len,
-                         max_out_tokens=max(_as_int(prompt_len, "prompt_len"), 1), min_out_tokens=1,
-                         dtype=dtype, mp_size=1, rank=0, external_cache=False, policy="exact",
-                         free_bytes=free_bytes, total_bytes=total_bytes, gpu=None, weights_bytes=None,
-                         reserve_bytes=None, memory_limit_bytes=None, memory_fraction=None,
-                         device=None)
+    """max_out_tokens_for as a context's gen_workspace plans it: the request its gen_workspace
+    makes (_request_fields, defaults for the rest), its memory figures and its mapping's
+    granularity, to which the workspace is rounded up."""
+    fields = _request_fields(shape, batch_size=batch_size, prompt_len=prompt_len,
+                             max_out_tokens=max(_as_int(prompt_len, "prompt_len"), 1), dtype=dtype,
+                             free_bytes=free_bytes, total_bytes=total_bytes)
     fields["allocation_granularity"] = _as_int(allocation_granularity, "allocation_granularity")
     return int(_plan._max_out_tokens_for(fields))
 
