@@ -541,7 +541,7 @@ def test_gpu_autotune_then_gemm_and_cache_file(ctx, tmp_path, capsys):
     assert "autotune_gemm [" in capsys.readouterr().err
     for r in results:
         assert r["skipped"] is False and r["tuned_ms"] > 0 and r["valid"] >= 1
-        assert r["backend"] in ("cublasLt", "cublas")
+        assert r["backend"] in ("cublasLt", "cublas")  # neither problem is one for "gemv"
         assert r["default_ms"] is None or r["tuned_ms"] <= r["default_ms"]
         # cuBLASLt only when at least 1% faster than cublasGemmEx; else cublasGemmEx stays
         assert r["algo_index"] == 0 or r["tuned_ms"] <= 0.99 * r["default_ms"], r
@@ -565,6 +565,81 @@ def test_gpu_autotune_then_gemm_and_cache_file(ctx, tmp_path, capsys):
     _check(gm.gemm(a, b), a.double() @ b.double(), 1e-2, ctx)  # the loaded entry, checked on use
     again = gm.autotune_gemm([(64, 256, 512)], "bfloat16", cache_file=path, progress=False)
     assert again[0]["skipped"] is True
+    gm.clear_gemm_cache()
+
+
+_BOUNDS = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", _TORCH_DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_gpu_few_row_kernel_chosen_by_a_cache_file(ctx, tmp_path, dtype, m):
+    # inferctx's own kernel for decoding shapes ("gemv"), as a cache file chooses it: n = 264 is a
+    # whole column tile and part of one, k = 520 two whole k chunks and part of a third.
+    torch = _torch()
+    a, b = _rand((m, 520), dtype), _rand((520, 264), dtype)
+    gm.clear_gemm_cache()
+    gm.gemm(a, b)  # untuned (cublasGemmEx): puts the problem, with its alignments, in the cache
+    entries = gm.gemm_cache_entries(tuned_only=False)
+    assert len(entries) == 1 and entries[0]["backend"] == "cublas"
+    entries[0].update(backend="gemv", algo=[])
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": entries}))
+    gm.clear_gemm_cache()
+    assert gm.load_gemm_cache(path) == 1
+    got = gm.gemm(a, b)
+    _check(got, a.double() @ b.double(), _BOUNDS[dtype], ctx)
+    # Checked on first use and kept: the kernel takes this problem.
+    assert [e["backend"] for e in gm.gemm_cache_entries()] == ["gemv"]
+    # The chunks' partial sums are added in a fixed order: the same bits on every call.
+    assert torch.equal(_as_torch(got), _as_torch(gm.gemm(a, b)))
+    # alpha, beta and out= (the same problem and alignments, so the same entry).
+    c = _rand((m, 264), dtype)
+    c0 = c.double()
+    assert gm.gemm(a, b, out=c, alpha=-0.5, beta=0.25) is c
+    _check(c, -0.5 * (a.double() @ b.double()) + 0.25 * c0, _BOUNDS[dtype], ctx)
+    # beta = 0 does not read out: NaN there does not survive.
+    c.fill_(float("nan"))
+    gm.gemm(a, b, out=c, alpha=2.0)
+    _check(c, 2.0 * (a.double() @ b.double()), _BOUNDS[dtype], ctx)
+    assert [e["backend"] for e in gm.gemm_cache_entries()] == ["gemv"]
+    gm.clear_gemm_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_few_row_kernel_entry_for_a_problem_it_cannot_take_gives_way_to_cublas(ctx, tmp_path):
+    torch = _torch()
+    for a, b, trans_b in ((_rand((9, 256), "bfloat16"), _rand((256, 512), "bfloat16"), False),  # 9 rows
+                          (_rand((4, 256), "bfloat16"), _rand((512, 256), "bfloat16"), True)):  # b^T
+        gm.clear_gemm_cache()
+        untuned = _as_torch(gm.gemm(a, b, trans_b=trans_b)).clone()
+        entries = gm.gemm_cache_entries(tuned_only=False)
+        entries[0].update(backend="gemv", algo=[])
+        path = tmp_path / "gemm.json"
+        path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": entries}))
+        gm.clear_gemm_cache()
+        assert gm.load_gemm_cache(path) == 1
+        got = _as_torch(gm.gemm(a, b, trans_b=trans_b))
+        assert gm.gemm_cache_entries() == []  # replaced by the untuned choice on first use
+        assert torch.equal(got, untuned)  # cublasGemmEx again: the untuned call's bits
+    gm.clear_gemm_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_autotune_of_a_decoding_shape_tries_the_few_row_kernel(ctx):
+    # With one cuBLASLt candidate asked for, a problem the kernel takes has three candidates
+    # (cublasGemmEx, cuBLASLt's, inferctx's) and one it does not take (b transposed) two; every
+    # one matched cublasGemmEx's result.
+    gm.clear_gemm_cache()
+    [r] = gm.autotune_gemm([(4, 2048, 1024)], "bfloat16", max_algorithms=1, repeats=3, progress=False)
+    assert (r["candidates"], r["valid"]) == (3, 3), r
+    assert r["backend"] != "gemv" or r["algo_index"] == 2, r
+    [t] = gm.autotune_gemm([(4, 2048, 1024)], "bfloat16", trans_b=True, max_algorithms=1, repeats=3,
+                           progress=False)
+    assert (t["candidates"], t["valid"]) == (2, 2), t
+    a, b = _rand((4, 1024), "bfloat16"), _rand((1024, 2048), "bfloat16")
+    _check(gm.gemm(a, b), a.double() @ b.double(), 1e-2, ctx)
     gm.clear_gemm_cache()
 
 
