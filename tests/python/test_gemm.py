@@ -279,6 +279,32 @@ def test_autotune_rejects_bad_options(tuner):
     assert info.value.argument == "dtype"
 
 
+def test_the_few_row_kernel_is_named_gemv_in_results_and_the_cache_file(tuner, tmp_path):
+    # backend 2 is inferctx's own kernel: "gemv" in autotune_gemm's results and in the file, and
+    # 2 again when the file is loaded; it has no cuBLASLt words.
+    def tune_to_gemv(ctx, dtype, trans_a, trans_b, m, n, k, batch, tf32, *rest):
+        problem = _core._gemm_packed_problem(dtype, m, n, k, batch, trans_a, trans_b, tf32)
+        tuner.cache.append(dict(device=ctx.device, device_name="Fake GPU", cublas_version=130100,
+                                problem=problem, align_a=256, align_b=256, align_c=256, backend=2,
+                                algo=[], time_ms=0.25))
+        return dict(backend=2, algo_index=9, algo=[], algo_id=-1, tile_id=-1, stages_id=-1,
+                    splitk=-1, default_ms=0.5, best_ms=0.25, candidates=10, valid=10,
+                    rotated_sets=4)
+
+    gm._core._gemm_tune = tune_to_gemv  # the fixture's monkeypatch restores the tuner
+    [r] = gm.autotune_gemm([(1, 4096, 4096)], "bf16", progress=False)
+    assert (r["backend"], r["algo_index"], r["speedup"]) == ("gemv", 9, 2.0)
+    path = tmp_path / "gemm.json"
+    assert gm.save_gemm_cache(path) == 1
+    [entry] = json.loads(path.read_text())["entries"]
+    assert (entry["backend"], entry["algo"], entry["m"]) == ("gemv", [], 1)
+    assert gm.load_gemm_cache(path) == 1
+    assert tuner.imported[0]["backend"] == 2 and tuner.imported[0]["algo"] == []
+    # Tuned again from the file: skipped, and still named.
+    [again] = gm.autotune_gemm([(1, 4096, 4096)], "bf16", progress=False)
+    assert again["skipped"] is True and again["backend"] == "gemv"
+
+
 def test_cache_file_round_trip_and_merge(tuner, tmp_path):
     gm.autotune_gemm([(8, 16, 32), (2, 8, 16, 32)], "float16", progress=False)
     path = tmp_path / "gemm.json"
