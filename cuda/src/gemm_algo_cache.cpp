@@ -177,8 +177,7 @@ std::shared_ptr<const AlgoChoice> verify_imported(const CublasHandle& handle, co
   if (imported.backend == GemmBackend::Gemv) {
     // inferctx's kernel: where it takes the problem and the handle's workspace holds its sums.
     workspace_bytes = gemv_workspace_bytes(p);
-    usable = gemv_eligible(p, static_cast<int>(key.v[Key::AlignB])) &&
-             workspace_bytes <= static_cast<size_t>(handle.workspace_bytes());
+    usable = gemv_runs(p, static_cast<int>(key.v[Key::AlignB]), handle.workspace_bytes());
   } else {
     cublasLtMatmulHeuristicResult_t check_result;
     std::memset(&check_result, 0, sizeof check_result);

@@ -8,7 +8,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "inferctx/cuda_check.hpp"
@@ -141,12 +140,11 @@ gemv_partial_kernel(const T* __restrict__ a, const T* __restrict__ b, float* __r
 template <typename T>
 __global__ void gemv_finish_kernel(const float* __restrict__ partial, T* __restrict__ c, int m, int64_t n,
                                    int64_t ldc, int chunks, float alpha, float beta) {
-  const int64_t total = static_cast<int64_t>(m) * n;
-  const int64_t plane = total;
+  const int64_t total = static_cast<int64_t>(m) * n;  // also one chunk's partial sums
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float s = 0.0f;
-    for (int q = 0; q < chunks; ++q) s += partial[q * plane + idx];
+    for (int q = 0; q < chunks; ++q) s += partial[q * total + idx];
     const int64_t i = idx / n;
     const int64_t j = idx - i * n;
     T* e = c + i * ldc + j;
@@ -169,14 +167,14 @@ void launch_partial(const GemmProblem& p, const void* a, const void* b, float* p
 
 }  // namespace
 
-bool gemv_eligible(const GemmProblem& p, int align_b) {
+bool gemv_runs(const GemmProblem& p, int align_b, int64_t workspace_bytes) {
   if (p.dtype < static_cast<int>(DType::Float32) || p.dtype > static_cast<int>(DType::BFloat16)) return false;
   const int64_t es = dtype_size(p.dtype);
-  const int64_t per_load = 16 / es;
-  const int64_t tile = 32 * per_load;
+  const int64_t per_load = 16 / es;  // GemvShape<T>::V
   return p.batch == 1 && p.m >= 1 && p.m <= kGemvMaxRows && p.k >= 1 && p.n >= 1 && !p.trans_b &&
          p.n % per_load == 0 && (p.ldb * es) % 16 == 0 && align_b >= 16 && gemv_chunks(p) <= 65535 &&
-         (p.n + tile - 1) / tile <= 0x7fffffff;
+         (p.n + 32 * per_load - 1) / (32 * per_load) <= 0x7fffffff &&
+         gemv_workspace_bytes(p) <= static_cast<size_t>(workspace_bytes);
 }
 
 size_t gemv_workspace_bytes(const GemmProblem& p) {
@@ -199,9 +197,7 @@ void launch_gemv(const GemmProblem& p, const void* a, const void* b, void* c, fl
     }
     check_cuda(cudaGetLastError(), "gemv_partial_kernel<<<>>>", device);
     const int threads = 256;
-    const int64_t total = p.m * p.n;
-    const int grid = static_cast<int>(std::min<int64_t>((total + threads - 1) / threads, 4096));
-    gemv_finish_kernel<T><<<grid, threads, 0, stream>>>(partial, static_cast<T*>(c), static_cast<int>(p.m), p.n,
+    gemv_finish_kernel<T><<<grid_for(p.m * p.n, threads), threads, 0, stream>>>(partial, static_cast<T*>(c), static_cast<int>(p.m), p.n,
                                                         p.ldc, static_cast<int>(gemv_chunks(p)), alpha, beta);
   });
   check_cuda(cudaGetLastError(), "gemv_finish_kernel<<<>>>", device);

@@ -182,7 +182,7 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
   for (const auto& r : listed) {
     cands.push_back({GemmBackend::CublasLt, r.algo, r.workspaceSize, static_cast<int>(cands.size()), false, 1, 0.0});
   }
-  if (gemv_eligible(p, align_b) && gemv_workspace_bytes(p) <= static_cast<size_t>(handle.bound_workspace_bytes())) {
+  if (gemv_runs(p, align_b, handle.bound_workspace_bytes())) {
     cands.push_back({GemmBackend::Gemv, no_algo, gemv_workspace_bytes(p), static_cast<int>(cands.size()), false, 1, 0.0});
   }
 

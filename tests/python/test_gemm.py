@@ -634,6 +634,38 @@ def test_gpu_few_row_kernel_chosen_by_a_cache_file(ctx, tmp_path, dtype, m):
 
 
 @pytest.mark.gpu
+def test_gpu_few_row_kernel_as_a_user_calls_it(tmp_path):
+    # The kernel a cache file chose, called as users call gemm: torch tensors, default arguments,
+    # no use_stream, no synchronize. A sleep kernel holds torch's current stream, the producer
+    # then writes `a`, and the result is read on that stream right after each call.
+    torch = _torch()
+    a, b = _rand((8, 1024), "bfloat16"), _rand((1024, 2048), "bfloat16")
+    gm.clear_gemm_cache()
+    gm.gemm(a, b)
+    entries = gm.gemm_cache_entries(tuned_only=False)
+    entries[0].update(backend="gemv", algo=[])
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": entries}))
+    gm.clear_gemm_cache()
+    assert gm.load_gemm_cache(path) == 1
+    torch.cuda.synchronize()
+    reads, inputs = [], []
+    for trial in range(20):
+        torch.cuda._sleep(20_000_000)
+        a.copy_(torch.full((8, 1024), float(trial % 5 + 1) / 8, dtype=torch.bfloat16, device="cuda"))
+        c = gm.gemm(a, b)
+        reads.append(c.clone())  # on torch's current stream, right after the call
+        inputs.append(a.clone())
+    torch.cuda.synchronize()
+    assert [e["backend"] for e in gm.gemm_cache_entries()] == ["gemv"]
+    for trial, (got, a0) in enumerate(zip(reads, inputs)):
+        want = a0.double() @ b.double()
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 1e-2, (trial, err)
+    gm.clear_gemm_cache()
+
+
+@pytest.mark.gpu
 def test_gpu_few_row_kernel_entry_for_a_problem_it_cannot_take_gives_way_to_cublas(ctx, tmp_path):
     torch = _torch()
     for a, b, trans_b in ((_rand((9, 256), "bfloat16"), _rand((256, 512), "bfloat16"), False),  # 9 rows
