@@ -597,6 +597,17 @@ def test_gpu_autotune_then_gemm_and_cache_file(ctx, tmp_path, capsys):
 _BOUNDS = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
 
 
+def _load_as_gemv(tmp_path):
+    """The one untuned entry in the cache, made a "gemv" entry through a cache file and loaded back."""
+    entries = gm.gemm_cache_entries(tuned_only=False)
+    assert len(entries) == 1 and entries[0]["backend"] == "cublas"
+    entries[0].update(backend="gemv", algo=[])
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": entries}))
+    gm.clear_gemm_cache()
+    assert gm.load_gemm_cache(path) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", _TORCH_DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 8])
@@ -607,13 +618,7 @@ def test_gpu_few_row_kernel_chosen_by_a_cache_file(ctx, tmp_path, dtype, m):
     a, b = _rand((m, 520), dtype), _rand((520, 264), dtype)
     gm.clear_gemm_cache()
     gm.gemm(a, b)  # untuned (cublasGemmEx): puts the problem, with its alignments, in the cache
-    entries = gm.gemm_cache_entries(tuned_only=False)
-    assert len(entries) == 1 and entries[0]["backend"] == "cublas"
-    entries[0].update(backend="gemv", algo=[])
-    path = tmp_path / "gemm.json"
-    path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": entries}))
-    gm.clear_gemm_cache()
-    assert gm.load_gemm_cache(path) == 1
+    _load_as_gemv(tmp_path)
     got = gm.gemm(a, b)
     _check(got, a.double() @ b.double(), _BOUNDS[dtype], ctx)
     # Checked on first use and kept: the kernel takes this problem.
@@ -642,12 +647,7 @@ def test_gpu_few_row_kernel_as_a_user_calls_it(tmp_path):
     a, b = _rand((8, 1024), "bfloat16"), _rand((1024, 2048), "bfloat16")
     gm.clear_gemm_cache()
     gm.gemm(a, b)
-    entries = gm.gemm_cache_entries(tuned_only=False)
-    entries[0].update(backend="gemv", algo=[])
-    path = tmp_path / "gemm.json"
-    path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": entries}))
-    gm.clear_gemm_cache()
-    assert gm.load_gemm_cache(path) == 1
+    _load_as_gemv(tmp_path)
     torch.cuda.synchronize()
     reads, inputs = [], []
     for trial in range(20):
@@ -672,12 +672,7 @@ def test_gpu_few_row_kernel_entry_for_a_problem_it_cannot_take_gives_way_to_cubl
                           (_rand((4, 256), "bfloat16"), _rand((512, 256), "bfloat16"), True)):  # b^T
         gm.clear_gemm_cache()
         untuned = _as_torch(gm.gemm(a, b, trans_b=trans_b)).clone()
-        entries = gm.gemm_cache_entries(tuned_only=False)
-        entries[0].update(backend="gemv", algo=[])
-        path = tmp_path / "gemm.json"
-        path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": entries}))
-        gm.clear_gemm_cache()
-        assert gm.load_gemm_cache(path) == 1
+        _load_as_gemv(tmp_path)
         got = _as_torch(gm.gemm(a, b, trans_b=trans_b))
         assert gm.gemm_cache_entries() == []  # replaced by the untuned choice on first use
         assert torch.equal(got, untuned)  # cublasGemmEx again: the untuned call's bits
