@@ -318,7 +318,7 @@ def report(results, host, props, args, fast_path):
           f"median device time per call")
     head = (f"{'case':34s} {'dtype':5s} {'torch us':>9s} {'default':>9s} {'def/t':>6s}"
             + (f" {'tuned':>9s} {'tun/t':>6s}" if tuned else "") + f" {'torch':>8s} {'ours':>8s}"
-            + " unit     diff")
+            + " unit     diff" + (" chosen" if tuned else ""))
     print(head)
     print("-" * len(head))
     ratios = []
@@ -341,6 +341,8 @@ def report(results, host, props, args, fast_path):
         if tuned:
             line += f" {row['tuned_ms'] * 1e3:9.2f} {ratio:6.3f}"
         line += f" {torch_rate:8.1f} {ours_rate:8.1f} {unit:8s} {diff:.0e}{flag}"
+        if tuned:
+            line += f" {row['tune']['backend']}"  # what autotune_gemm chose
         print(line)
     worst_default = max(default_ratios)
     print(f"default/torch: worst {worst_default:.3f} (target <= 1.02 on every shape): "

@@ -51,12 +51,13 @@ cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t p
     cdef unsigned long long unknown = <unsigned long long>-1
     cdef unsigned long long p = _capture_id(producer, &status)
     cdef unsigned long long c = _capture_id(consumer, &status)
+    cdef bint joins_capture = fork and c == 0 and p != 0 and p != unknown
     if status != cudaSuccess:
         pass  # a stream that does not exist: reported by _order
-    elif fork and c == 0 and p != 0 and p != unknown and <uintptr_t>consumer <= 2:
+    elif joins_capture and <uintptr_t>consumer <= 2:
         # A default stream (legacy 1, per-thread 2) cannot join a capture: _order says so.
         status = cudaErrorStreamCaptureImplicit
-    elif (p == c and p != unknown) or (fork and c == 0 and p != 0 and p != unknown):
+    elif joins_capture or (p == c and p != unknown):
         status = cudaEventRecord(event, producer)
         if status == cudaSuccess:
             status = cudaStreamWaitEvent(consumer, event, 0)

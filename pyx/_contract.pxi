@@ -177,18 +177,11 @@ cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0
         raise _ConfigError(
             f"{argument}: {_type_name(stream)} {handle:#x} is the handle of an inferctx.Stream that "
             f"was destroyed; pass {_STREAM_LIKE} of cuda:{device} that exists", argument=argument)
-    if isinstance(stream, Stream):
-        on = (<Stream>stream)._device
-    else:
-        # What a torch or CuPy stream says (no CUDA call, none that could disturb a capture),
-        # else CUDA's answer for the handle.
-        on = _declared_device(stream)
-        if on < 0:
-            on = _handle_device(handle, device, argument, stream)
-            if on < 0:
-                raise _ConfigError(f"{argument}: {handle:#x} is a stream of another device than "
-                                   f"the operands' cuda:{device}; pass a stream of cuda:{device}",
-                                   argument=argument)
+    on = _stream_device(stream, handle, device, argument)  # leaves a capture alone
+    if on < 0:
+        raise _ConfigError(f"{argument}: {handle:#x} is a stream of another device than the "
+                           f"operands' cuda:{device}; pass a stream of cuda:{device}",
+                           argument=argument)
     if on != device:
         raise _ConfigError(f"{argument}: is a stream of cuda:{on} but the operands are on "
                            f"cuda:{device}; pass a stream of cuda:{device}", argument=argument)

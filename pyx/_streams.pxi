@@ -67,16 +67,17 @@ cdef int _declared_device(object stream) except -2:
     return -1
 
 
-cdef int _stream_device(object stream, uintptr_t handle) except -2:
-    """The device of a stream-like object: what it says (torch .device_index, cupy
-    .device_id; torch.cuda.default_stream(1) is the legacy handle, of device 1), the current
-    device for the special handles, else -1 (CUDA is asked)."""
+cdef int _stream_device(object stream, uintptr_t handle, int hint, str argument) except -2:
+    """The device of a stream-like object, found without disturbing a CUDA-graph capture: what
+    it says (torch .device_index, CuPy .device_id; torch.cuda.default_stream(1) is the legacy
+    handle, of device 1), the current device for the default-stream handles, else CUDA's answer
+    for the handle (_handle_device: -1 for a capturing stream not of `hint`)."""
     cdef int declared = _declared_device(stream)
     if declared >= 0:
         return declared
     if handle <= <uintptr_t>cudaStreamPerThread:
         return _device_arg(None)
-    return -1
+    return _handle_device(handle, hint, argument, stream)
 
 
 cdef int _handle_device(uintptr_t handle, int hint, str argument, object stream) except -2:
@@ -128,7 +129,14 @@ cdef class Stream:
                 self._stream = CppStream.create(dev)
         else:
             handle = _stream_handle(source, "source")
-            dev = _device_arg(device) if device is not None else _stream_device(source, handle)
+            if device is not None:
+                dev = _device_arg(device)
+            else:
+                dev = _stream_device(source, handle, _device_arg(None), "source")
+                if dev < 0:
+                    raise _ConfigError(
+                        f"source: {handle:#x} is being captured into a CUDA graph on another "
+                        f"device than the current one; pass device=", argument="source")
             with nogil:
                 self._stream = CppStream.borrow(<cudaStream_t>handle, dev)
             self._source = source
@@ -169,20 +177,14 @@ cdef class Stream:
         cdef uintptr_t handle = _stream_handle(other, "other")
         # The event is recorded on `other`, so it is made on other's device (an event and the
         # stream it is recorded on share a CUDA context); a wait may take one of another device.
-        # That device is what the object says, else (a bare handle) the current one for the
-        # default-stream handles and CUDA's answer for the others, asked in a way that leaves a
-        # capture alone (Stream.wait is how a side stream joins a capture).
-        cdef int source = _declared_device(other)
+        # _stream_device asks in a way that leaves a capture alone (Stream.wait is how a side
+        # stream joins a capture).
+        cdef int source = _stream_device(other, handle, self._device, "other")
         if source < 0:
-            if handle <= <uintptr_t>cudaStreamPerThread:
-                source = _device_arg(None)
-            else:
-                source = _handle_device(handle, self._device, "other", other)
-                if source < 0:
-                    raise _ConfigError(
-                        f"other: {handle:#x} is being captured into a CUDA graph on another device "
-                        f"than this stream's cuda:{self._device}; pass it as a torch, CuPy or "
-                        f"inferctx Stream, which names its device", argument="other")
+            raise _ConfigError(
+                f"other: {handle:#x} is being captured into a CUDA graph on another device than "
+                f"this stream's cuda:{self._device}; pass it as a torch, CuPy or inferctx Stream, "
+                f"which names its device", argument="other")
         if handle == self._handle and source == self._device:
             return
         cdef Event event = Event(source)

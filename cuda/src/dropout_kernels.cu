@@ -127,9 +127,11 @@ __device__ __forceinline__ uint32_t bytes_to_nibble(uint32_t word) {
 }
 
 // Elements per 16-byte chunk (V), chunks per mask word (CH, also chunks per lane per tile), and
-// tiles per warp unit (kUnitTiles: 4 KiB of input, 8 chunks per lane). kMinBlocks caps registers
-// without spilling: 3 blocks of 256 threads per multiprocessor for 16-bit types (<= 80 registers;
-// two Philox blocks per chunk), 4 for fp32 (<= 64).
+// tiles per warp unit (kUnitTiles: 4 KiB of input, 8 chunks per lane). kMinBlocks caps registers:
+// 3 blocks of 256 threads per multiprocessor for 16-bit types (<= 80 registers; two Philox blocks
+// per chunk), 4 for fp32 (<= 64). ptxas (sm_90, CUDA 13.0) reports a few spilled bytes under these
+// caps (4 in two fp32 instantiations, 16-36 in the 16-bit byte-mask and no-mask ones); a tighter
+// fp32 cap (5 or 6 blocks) spills 84-208 bytes.
 template <typename T>
 struct ChunkShape {
   static constexpr int V = 16 / static_cast<int>(sizeof(T));

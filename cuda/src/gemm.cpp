@@ -114,8 +114,13 @@ void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
     choice = verify_imported(handle, key, p, *choice);
   }
 
-  // A tuned cuBLASLt algorithm that needs more workspace than the stream has bound (none while
-  // it is first captured) gives way to cublasGemmEx for this call.
+  // A tuned choice that needs more workspace than the stream has bound (none while it is first
+  // captured) gives way to cublasGemmEx for this call.
+  if (choice->backend == GemmBackend::Gemv &&
+      choice->workspace_bytes <= static_cast<size_t>(handle.bound_workspace_bytes())) {
+    launch_gemv(p, a, b, c, alpha, beta, handle.bound_workspace(), stream, device);
+    return;
+  }
   if (choice->backend == GemmBackend::CublasLt &&
       choice->workspace_bytes <= static_cast<size_t>(handle.bound_workspace_bytes())) {
     const cublasStatus_t status = run_lt(handle, stream, *choice, &choice->algo, a, b, c, &alpha, &beta);

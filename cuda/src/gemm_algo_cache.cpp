@@ -172,21 +172,31 @@ std::shared_ptr<const AlgoChoice> verify_imported(const CublasHandle& handle, co
                                                   const AlgoChoice& imported) {
   const int device = handle.device();
   std::shared_ptr<AlgoChoice> choice = new_choice(p, device);
-  cublasLtMatmulHeuristicResult_t check_result;
-  std::memset(&check_result, 0, sizeof check_result);
-  const cublasStatus_t status = cublasLtMatmulAlgoCheck(handle.lt(), choice->op(), choice->lt_a(), choice->lt_b(),
-                                                        choice->lt_c(), choice->lt_c(), &imported.algo, &check_result);
-  if (status == CUBLAS_STATUS_SUCCESS &&
-      check_result.workspaceSize <= static_cast<size_t>(handle.workspace_bytes())) {
-    choice->backend = GemmBackend::CublasLt;
+  bool usable = false;
+  size_t workspace_bytes = 0;
+  if (imported.backend == GemmBackend::Gemv) {
+    // inferctx's kernel: where it takes the problem and the handle's workspace holds its sums.
+    workspace_bytes = gemv_workspace_bytes(p);
+    usable = gemv_runs(p, static_cast<int>(key.v[Key::AlignB]), handle.workspace_bytes());
+  } else {
+    cublasLtMatmulHeuristicResult_t check_result;
+    std::memset(&check_result, 0, sizeof check_result);
+    const cublasStatus_t status = cublasLtMatmulAlgoCheck(handle.lt(), choice->op(), choice->lt_a(), choice->lt_b(),
+                                                          choice->lt_c(), choice->lt_c(), &imported.algo,
+                                                          &check_result);
+    workspace_bytes = check_result.workspaceSize;
+    usable = status == CUBLAS_STATUS_SUCCESS && workspace_bytes <= static_cast<size_t>(handle.workspace_bytes());
+  }
+  if (usable) {
+    choice->backend = imported.backend;
     choice->algo = imported.algo;
-    choice->workspace_bytes = check_result.workspaceSize;
+    choice->workspace_bytes = workspace_bytes;
     choice->source = Source::Imported;
     choice->time_ms = imported.time_ms;
     choice->verified = true;
   } else {
     choice = heuristic_choice(handle, p, static_cast<int>(key.v[Key::AlignA]), static_cast<int>(key.v[Key::AlignB]),
-                          static_cast<int>(key.v[Key::AlignC]));
+                              static_cast<int>(key.v[Key::AlignC]));
   }
   std::shared_ptr<const AlgoChoice> published = choice;
   store_choice(key, published);
@@ -235,8 +245,9 @@ int64_t import_gemm_cache(const std::vector<GemmCacheEntry>& entries) {
                             str(e.problem.n) + ", k " + str(e.problem.k) + ", batch " + str(e.problem.batch));
     }
     if (e.device < 0) reject("device", "got " + str(e.device) + "; device ordinals are >= 0");
-    if (e.backend != static_cast<int>(GemmBackend::CublasLt) && e.backend != static_cast<int>(GemmBackend::Cublas)) {
-      reject("backend", "got " + str(e.backend) + "; valid: 0 (cublasLt), 1 (cublas)");
+    if (e.backend != static_cast<int>(GemmBackend::CublasLt) && e.backend != static_cast<int>(GemmBackend::Cublas) &&
+        e.backend != static_cast<int>(GemmBackend::Gemv)) {
+      reject("backend", "got " + str(e.backend) + "; valid: 0 (cublasLt), 1 (cublas), 2 (gemv)");
     }
     if (e.backend == static_cast<int>(GemmBackend::CublasLt) && e.algo.size() != kAlgoWords) {
       reject("algo", "got " + str(static_cast<int64_t>(e.algo.size())) + " words; a cuBLASLt algorithm has 8");
@@ -263,7 +274,7 @@ int64_t import_gemm_cache(const std::vector<GemmCacheEntry>& entries) {
     if (choice->backend == GemmBackend::CublasLt) std::memcpy(&choice->algo, e.algo.data(), sizeof choice->algo);
     choice->source = Source::Imported;
     choice->time_ms = e.time_ms;
-    choice->verified = choice->backend == GemmBackend::Cublas;
+    choice->verified = choice->backend == GemmBackend::Cublas;  // the others: verify_imported
     store_choice(make_key(e.device, p, e.align_a, e.align_b, e.align_c), std::move(choice));
     ++accepted;
   }

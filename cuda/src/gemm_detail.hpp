@@ -78,6 +78,23 @@ void launch_compare(const GemmProblem& p, const void* x, const void* y, CompareS
                     int device);
 // Keeps the GPU busy for `cycles` clock cycles.
 void launch_spin(long long cycles, cudaStream_t stream, int device);
+// Blocks for a grid-stride loop over `total` elements: enough to cover them, at least 1, at most 4096.
+int grid_for(int64_t total, int threads);
+
+// ---------------------------------------------------------------------------------------
+// inferctx's kernel for few rows (gemm_gemv.cu, GemmBackend::Gemv)
+
+constexpr int64_t kGemvMaxRows = 8;
+
+// Whether the kernel takes normalized problem p with B at alignment align_b (batch 1, 1 <= m <=
+// kGemvMaxRows, B untransposed with 16-byte aligned rows, n a multiple of 16 bytes' elements) with
+// a workspace of `workspace_bytes` for its partial sums.
+bool gemv_runs(const GemmProblem& p, int align_b, int64_t workspace_bytes);
+// Bytes of fp32 partial sums it needs in the workspace.
+size_t gemv_workspace_bytes(const GemmProblem& p);
+// C = alpha * op(A) B + beta * C on `stream`, partial sums in `workspace` (>= gemv_workspace_bytes).
+void launch_gemv(const GemmProblem& p, const void* a, const void* b, void* c, float alpha, float beta,
+                 void* workspace, cudaStream_t stream, int device);
 
 // ---------------------------------------------------------------------------------------
 // The algorithm cache (gemm_algo_cache.cpp)
@@ -127,8 +144,9 @@ std::shared_ptr<AlgoChoice> heuristic_choice(const CublasHandle& handle, const G
 std::shared_ptr<const AlgoChoice> find_choice(const Key& key);
 void store_choice(const Key& key, std::shared_ptr<const AlgoChoice> choice);
 
-// An imported cuBLASLt algorithm is checked against this library and device once; if the
-// check fails, the heuristic's choice takes its place.
+// An imported cuBLASLt algorithm is checked against this library and device once, an imported
+// Gemv choice against gemv_runs with the handle's workspace; if the check fails, the
+// heuristic's choice takes its place.
 std::shared_ptr<const AlgoChoice> verify_imported(const CublasHandle& handle, const Key& key, const GemmProblem& p,
                                                   const AlgoChoice& imported);
 

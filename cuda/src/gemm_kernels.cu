@@ -98,12 +98,12 @@ __global__ void spin_kernel(long long cycles) {
   }
 }
 
+}  // namespace
+
 int grid_for(int64_t total, int threads) {
   const int64_t blocks = (total + threads - 1) / threads;
   return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), 4096));
 }
-
-}  // namespace
 
 void launch_scale(const GemmProblem& p, void* c, float beta, cudaStream_t stream, int device) {
   const int threads = 256;

@@ -1,6 +1,7 @@
 // The GEMM autotuner: times cublasGemmEx (what an untuned gemm runs, the call torch.matmul
-// makes) and cuBLASLt's candidates on random operands, keeps the fastest whose result matches
-// cublasGemmEx's, and caches it.
+// makes), cuBLASLt's candidates and, for the few-row problems it takes, inferctx's own kernel
+// (gemm_gemv.cu) on random operands, keeps the fastest whose result matches cublasGemmEx's, and
+// caches it.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -166,7 +167,7 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
     GemmBackend backend;
     cublasLtMatmulAlgo_t algo;
     size_t workspace_bytes;
-    int index;  // 0: cublasGemmEx, the untuned default; i > 0: cuBLASLt's i-th candidate
+    int index;  // 0: cublasGemmEx, the untuned default; then cuBLASLt's candidates; then Gemv
     bool valid;
     int runs;   // per timed batch
     double ms;
@@ -181,12 +182,19 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
   for (const auto& r : listed) {
     cands.push_back({GemmBackend::CublasLt, r.algo, r.workspaceSize, static_cast<int>(cands.size()), false, 1, 0.0});
   }
+  if (gemv_runs(p, align_b, handle.bound_workspace_bytes())) {
+    cands.push_back({GemmBackend::Gemv, no_algo, gemv_workspace_bytes(p), static_cast<int>(cands.size()), false, 1, 0.0});
+  }
 
   const float one = 1.0f, zero = 0.0f;
   auto run = [&](const Candidate& cand, int64_t set, void* out) -> cublasStatus_t {
     const void* a = a_sets[static_cast<size_t>(set)]->data();
     const void* b = b_sets[static_cast<size_t>(set)]->data();
     if (cand.backend == GemmBackend::Cublas) return run_cublas(handle, p, a, b, out, &one, &zero);
+    if (cand.backend == GemmBackend::Gemv) {
+      launch_gemv(p, a, b, out, one, zero, handle.bound_workspace(), stream, device);
+      return CUBLAS_STATUS_SUCCESS;
+    }
     return run_lt(handle, stream, *base, &cand.algo, a, b, out, &one, &zero);
   };
   auto compare = [&](const void* x, const void* y) -> CompareSums {
@@ -328,7 +336,7 @@ GemmTuneResult tune_gemm(CublasHandle& handle, cudaStream_t stream, const GemmPr
   GemmTuneResult result;
   result.backend = static_cast<int>(win.backend);
   result.algo_index = win.index;
-  if (win.backend == GemmBackend::CublasLt) {
+  if (win.backend == GemmBackend::CublasLt) {  // the others have no cuBLASLt configuration
     result.algo = algo_words(win.algo);
     result.algo_id = algo_config<int32_t>(win.algo, CUBLASLT_ALGO_CONFIG_ID);
     result.tile_id = static_cast<int>(algo_config<uint32_t>(win.algo, CUBLASLT_ALGO_CONFIG_TILE_ID));

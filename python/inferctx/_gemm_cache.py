@@ -9,7 +9,7 @@ from .dtypes import NAMES
 from .errors import ConfigError
 
 _CODES = {name: code for code, name in NAMES.items()}  # dtype name -> inferctx::DType code
-_BACKENDS = {0: "cublasLt", 1: "cublas"}
+_BACKENDS = {0: "cublasLt", 1: "cublas", 2: "gemv"}
 _BACKEND_CODES = {v: k for k, v in _BACKENDS.items()}
 
 _FORMAT = "inferctx-gemm-cache"
@@ -70,7 +70,7 @@ def _entry_from_json(j, path, index) -> dict:
         fail(f"dtype is {dtype!r}; valid: 'float32', 'float16', 'bfloat16'")
     backend = j.get("backend")
     if not isinstance(backend, str) or backend not in _BACKEND_CODES:
-        fail(f"backend is {backend!r}; valid: 'cublasLt', 'cublas'")
+        fail(f"backend is {backend!r}; valid: 'cublasLt', 'cublas', 'gemv'")
     align = j.get("align")
     if (not isinstance(align, list) or len(align) != 3
             or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < (1 << 31) for x in align)):

@@ -45,8 +45,8 @@ repeats) -> dict``
 ``_core._gemm_cache_import(entries) -> int``
     GemmCacheEntry as a dict: device, device_name (str), cublas_version, problem (a dict of
     the GemmProblem fields: dtype, trans_a, trans_b, m, n, k, batch, lda, ldb, ldc,
-    stride_a, stride_b, stride_c, tf32), align_a, align_b, align_c, backend, algo (list of
-    ints: 8, or none for backend 1), time_ms. Import returns how many entries it took.
+    stride_a, stride_b, stride_c, tf32), align_a, align_b, align_c, backend (0 cublasLt, 1 cublas,
+    2 gemv), algo (list of ints: 8 for backend 0, none otherwise), time_ms. Import returns how many entries it took.
 ``_core._gemm_cache_clear() -> None``
 """
 
@@ -103,8 +103,11 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
     """Times cuBLASLt's candidate algorithms for each shape and keeps the fastest correct one.
 
     cublasGemmEx, what an untuned ``gemm`` runs (torch.matmul's call and bits), is candidate 0;
-    a cuBLASLt algorithm replaces it only when at least 1% faster, since smaller differences
-    between medians are noise.
+    another candidate replaces it only when at least 1% faster, since smaller differences
+    between medians are noise. Besides cuBLASLt's algorithms, problems of 1 to 8 rows (decoding:
+    ``m <= 8``, no batch, ``b`` not transposed, ``n`` a multiple of 8 for 16-bit types or 4 for
+    float32) also try inferctx's own kernel, which reads ``b`` once at close to the memory's
+    bandwidth and adds its fp32 partial sums in a fixed order (the same bits on every run).
 
     Parameters
     ----------
@@ -134,9 +137,10 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
     -------
     One dict per shape: shape, dtype, trans_a, trans_b, tf32, default_ms (cublasGemmEx: what
     an untuned gemm runs, the call torch.matmul makes), tuned_ms, speedup (default_ms /
-    tuned_ms), backend ('cublasLt', or 'cublas' when cublasGemmEx stays: no candidate was
-    at least 1% faster),
-    algo_index (0: cublasGemmEx; i >= 1: cuBLASLt's i-th candidate), candidates, valid (those
+    tuned_ms), backend ('cublasLt', 'gemv' for inferctx's kernel, or 'cublas' when cublasGemmEx
+    stays: no candidate was at least 1% faster),
+    algo_index (0: cublasGemmEx; i >= 1: cuBLASLt's i-th candidate, or the last index for 'gemv'),
+    candidates, valid (those
     whose result matched cublasGemmEx's within the dtype's tolerance), skipped (True when the
     cache already had it).
     """

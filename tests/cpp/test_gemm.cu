@@ -600,7 +600,8 @@ TEST_CASE("gpu: autotuned results equal untuned ones and the float64 reference")
     const GemmTuneResult r = tune_gemm(*gpu().handle, gpu().stream, p, quick_options());
     std::printf("  %s: %d candidates, %d valid, default %.4f ms, best %.4f ms (%s, index %d, algo id %d), %d sets\n",
                 describe(p, 1, 0).c_str(), r.candidates, r.valid, r.default_ms, r.best_ms,
-                r.backend == 0 ? "cublasLt" : "cublas", r.algo_index, r.algo_id, r.rotated_sets);
+                r.backend == 0 ? "cublasLt" : r.backend == 1 ? "cublas" : "gemv", r.algo_index, r.algo_id,
+                r.rotated_sets);
     CHECK(r.candidates >= 1);
     CHECK(r.valid >= 1);
     CHECK(r.best_ms > 0.0);
@@ -609,7 +610,9 @@ TEST_CASE("gpu: autotuned results equal untuned ones and the float64 reference")
     CHECK(r.algo_index == 0 || r.best_ms <= r.default_ms * (1.0 - kTuneMinGain));
     CHECK(r.default_ms > 0.0);  // cublasGemmEx, the untuned default, runs for every problem
     CHECK((r.algo_index == 0) == (r.backend == 1));  // candidate 0 is cublasGemmEx
-    CHECK(r.backend == 1 ? r.algo.empty() : r.algo.size() == 8);
+    CHECK(r.backend == 0 ? r.algo.size() == 8 : r.algo.empty());  // cuBLASLt's words, or none
+    // inferctx's kernel is the last candidate, for the one-row problem only.
+    CHECK(r.backend != 2 || (p.m == 1 && r.algo_index == r.candidates - 1));
     const auto entries = export_gemm_cache();
     CHECK_EQ(entries.size(), size_t{1});
     if (entries.size() == 1) {
@@ -623,6 +626,57 @@ TEST_CASE("gpu: autotuned results equal untuned ones and the float64 reference")
     if (!(diff < tolerance(p))) std::printf("  tuned vs untuned differ by %.3e\n", diff);
     CHECK(diff < tolerance(p));
     expect_correct(*gpu().handle, gpu().stream, p);  // fresh operands through the tuned entry
+  }
+  clear_gemm_cache();
+}
+
+TEST_CASE("gpu: inferctx's few-row kernel through an imported entry, and where it cannot run") {
+  struct Case {
+    GemmProblem p;
+    float alpha, beta;
+    bool eligible;
+  };
+  std::vector<Case> cases;
+  for (int dt : {F32, F16, BF16}) {
+    for (int64_t m : {1, 3, 8}) {
+      // n = 264: one or two whole column tiles and a part; k = 300: a whole k chunk and a part.
+      cases.push_back({packed_gemm_problem(dt, m, 264, 300), 1.0f, 0.0f, true});
+      cases.push_back({packed_gemm_problem(dt, m, 512, 1024, 1, true, false), 0.5f, 0.25f, true});
+    }
+    GemmProblem pad = packed_gemm_problem(dt, 5, 136, 520);  // padded rows; B's stay 16-byte aligned
+    pad.lda += 3;
+    pad.ldb += 8;
+    pad.ldc += 5;
+    cases.push_back({pad, -1.5f, 0.75f, true});
+    cases.push_back({packed_gemm_problem(dt, 9, 264, 300), 1.0f, 0.0f, false});                // 9 rows
+    cases.push_back({packed_gemm_problem(dt, 4, 264, 300, 1, false, true), 1.0f, 0.0f, false});  // b^T
+    cases.push_back({packed_gemm_problem(dt, 4, 262, 300), 1.0f, 0.0f, false});  // n not 16-byte rows
+    cases.push_back({packed_gemm_problem(dt, 2, 264, 300, 3), 1.0f, 0.0f, false});             // a batch
+  }
+  for (const Case& c : cases) {
+    clear_gemm_cache();
+    expect_correct(*gpu().handle, gpu().stream, c.p, c.alpha, c.beta);  // untuned: the cache's entry
+    const auto heuristic = export_gemm_cache(false);
+    CHECK_EQ(heuristic.size(), size_t{1});
+    if (heuristic.size() != 1) continue;
+    GemmCacheEntry forced = heuristic[0];
+    forced.backend = static_cast<int>(GemmBackend::Gemv);
+    forced.algo.clear();
+    CHECK_EQ(import_gemm_cache({forced}), int64_t{1});
+    // Through the imported entry: the kernel where it takes the problem, cublasGemmEx elsewhere;
+    // C's padding survives and beta = 0 ignores the NaN C starts with (expect_correct).
+    expect_correct(*gpu().handle, gpu().stream, c.p, c.alpha, c.beta);
+    const auto after = export_gemm_cache(true);
+    if (after.size() != (c.eligible ? 1u : 0u)) std::printf("  %s: entry kept %zu\n", describe(c.p, 1, 0).c_str(), after.size());
+    CHECK_EQ(after.size(), c.eligible ? size_t{1} : size_t{0});
+    if (after.size() == 1) CHECK_EQ(after[0].backend, static_cast<int>(GemmBackend::Gemv));
+    if (c.eligible && c.beta == 0.0f) {
+      // The chunks' sums are added in a fixed order: the same bits on every run.
+      FixedOperands ops(c.p);
+      const HostMatrix first = ops.run();
+      const HostMatrix second = ops.run();
+      CHECK(first.bytes == second.bytes);
+    }
   }
   clear_gemm_cache();
 }

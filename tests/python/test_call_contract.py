@@ -424,7 +424,7 @@ def test_a_default_stream_argument_under_capture_is_refused_naming_stream(torch,
 def test_stream_wait_on_a_bare_handle_of_a_capturing_stream_forks_the_capture(torch, ctx):
     # Stream.wait(handle) is how a side stream joins a capture. Asking CUDA for the device of
     # the capturing handle (cudaStreamGetDevice) would end the capture in error: the device is
-    # found another way.
+    # found another way, by Stream.wait and by inferctx.Stream(handle) alike.
     side = inferctx.Stream()
     x = _ints(torch, (4096,), 3, torch.float32)
     y = torch.empty_like(x)
@@ -434,6 +434,8 @@ def test_stream_wait_on_a_bare_handle_of_a_capturing_stream_forks_the_capture(to
         capturing = torch.cuda.current_stream()
         x.add_(1)
         side.wait(capturing.cuda_stream)  # an int: no device named
+        # Wrapping the capturing handle finds its device the same way.
+        assert inferctx.Stream(capturing.cuda_stream).device == x.device.index
         with torch.cuda.stream(torch.cuda.ExternalStream(side.handle)):
             y.copy_(x)  # captured on the side stream, after the add
         capturing.wait_stream(torch.cuda.ExternalStream(side.handle))  # joined back

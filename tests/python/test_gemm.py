@@ -279,6 +279,32 @@ def test_autotune_rejects_bad_options(tuner):
     assert info.value.argument == "dtype"
 
 
+def test_the_few_row_kernel_is_named_gemv_in_results_and_the_cache_file(tuner, tmp_path):
+    # backend 2 is inferctx's own kernel: "gemv" in autotune_gemm's results and in the file, and
+    # 2 again when the file is loaded; it has no cuBLASLt words.
+    def tune_to_gemv(ctx, dtype, trans_a, trans_b, m, n, k, batch, tf32, *rest):
+        problem = _core._gemm_packed_problem(dtype, m, n, k, batch, trans_a, trans_b, tf32)
+        tuner.cache.append(dict(device=ctx.device, device_name="Fake GPU", cublas_version=130100,
+                                problem=problem, align_a=256, align_b=256, align_c=256, backend=2,
+                                algo=[], time_ms=0.25))
+        return dict(backend=2, algo_index=9, algo=[], algo_id=-1, tile_id=-1, stages_id=-1,
+                    splitk=-1, default_ms=0.5, best_ms=0.25, candidates=10, valid=10,
+                    rotated_sets=4)
+
+    gm._core._gemm_tune = tune_to_gemv  # the fixture's monkeypatch restores the tuner
+    [r] = gm.autotune_gemm([(1, 4096, 4096)], "bf16", progress=False)
+    assert (r["backend"], r["algo_index"], r["speedup"]) == ("gemv", 9, 2.0)
+    path = tmp_path / "gemm.json"
+    assert gm.save_gemm_cache(path) == 1
+    [entry] = json.loads(path.read_text())["entries"]
+    assert (entry["backend"], entry["algo"], entry["m"]) == ("gemv", [], 1)
+    assert gm.load_gemm_cache(path) == 1
+    assert tuner.imported[0]["backend"] == 2 and tuner.imported[0]["algo"] == []
+    # Tuned again from the file: skipped, and still named.
+    [again] = gm.autotune_gemm([(1, 4096, 4096)], "bf16", progress=False)
+    assert again["skipped"] is True and again["backend"] == "gemv"
+
+
 def test_cache_file_round_trip_and_merge(tuner, tmp_path):
     gm.autotune_gemm([(8, 16, 32), (2, 8, 16, 32)], "float16", progress=False)
     path = tmp_path / "gemm.json"
@@ -541,7 +567,7 @@ def test_gpu_autotune_then_gemm_and_cache_file(ctx, tmp_path, capsys):
     assert "autotune_gemm [" in capsys.readouterr().err
     for r in results:
         assert r["skipped"] is False and r["tuned_ms"] > 0 and r["valid"] >= 1
-        assert r["backend"] in ("cublasLt", "cublas")
+        assert r["backend"] in ("cublasLt", "cublas")  # neither problem is one for "gemv"
         assert r["default_ms"] is None or r["tuned_ms"] <= r["default_ms"]
         # cuBLASLt only when at least 1% faster than cublasGemmEx; else cublasGemmEx stays
         assert r["algo_index"] == 0 or r["tuned_ms"] <= 0.99 * r["default_ms"], r
@@ -565,6 +591,108 @@ def test_gpu_autotune_then_gemm_and_cache_file(ctx, tmp_path, capsys):
     _check(gm.gemm(a, b), a.double() @ b.double(), 1e-2, ctx)  # the loaded entry, checked on use
     again = gm.autotune_gemm([(64, 256, 512)], "bfloat16", cache_file=path, progress=False)
     assert again[0]["skipped"] is True
+    gm.clear_gemm_cache()
+
+
+_BOUNDS = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
+
+
+def _load_as_gemv(tmp_path):
+    """The one untuned entry in the cache, made a "gemv" entry through a cache file and loaded back."""
+    entries = gm.gemm_cache_entries(tuned_only=False)
+    assert len(entries) == 1 and entries[0]["backend"] == "cublas"
+    entries[0].update(backend="gemv", algo=[])
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": entries}))
+    gm.clear_gemm_cache()
+    assert gm.load_gemm_cache(path) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", _TORCH_DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_gpu_few_row_kernel_chosen_by_a_cache_file(ctx, tmp_path, dtype, m):
+    # inferctx's own kernel for decoding shapes ("gemv"), as a cache file chooses it: n = 264 is a
+    # whole column tile and part of one, k = 520 two whole k chunks and part of a third.
+    torch = _torch()
+    a, b = _rand((m, 520), dtype), _rand((520, 264), dtype)
+    gm.clear_gemm_cache()
+    gm.gemm(a, b)  # untuned (cublasGemmEx): puts the problem, with its alignments, in the cache
+    _load_as_gemv(tmp_path)
+    got = gm.gemm(a, b)
+    _check(got, a.double() @ b.double(), _BOUNDS[dtype], ctx)
+    # Checked on first use and kept: the kernel takes this problem.
+    assert [e["backend"] for e in gm.gemm_cache_entries()] == ["gemv"]
+    # The chunks' partial sums are added in a fixed order: the same bits on every call.
+    assert torch.equal(_as_torch(got), _as_torch(gm.gemm(a, b)))
+    # alpha, beta and out= (the same problem and alignments, so the same entry).
+    c = _rand((m, 264), dtype)
+    c0 = c.double()
+    assert gm.gemm(a, b, out=c, alpha=-0.5, beta=0.25) is c
+    _check(c, -0.5 * (a.double() @ b.double()) + 0.25 * c0, _BOUNDS[dtype], ctx)
+    # beta = 0 does not read out: NaN there does not survive.
+    c.fill_(float("nan"))
+    gm.gemm(a, b, out=c, alpha=2.0)
+    _check(c, 2.0 * (a.double() @ b.double()), _BOUNDS[dtype], ctx)
+    assert [e["backend"] for e in gm.gemm_cache_entries()] == ["gemv"]
+    gm.clear_gemm_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_few_row_kernel_as_a_user_calls_it(tmp_path):
+    # The kernel a cache file chose, called as users call gemm: torch tensors, default arguments,
+    # no use_stream, no synchronize. A sleep kernel holds torch's current stream, the producer
+    # then writes `a`, and the result is read on that stream right after each call.
+    torch = _torch()
+    a, b = _rand((8, 1024), "bfloat16"), _rand((1024, 2048), "bfloat16")
+    gm.clear_gemm_cache()
+    gm.gemm(a, b)
+    _load_as_gemv(tmp_path)
+    torch.cuda.synchronize()
+    reads, inputs = [], []
+    for trial in range(20):
+        torch.cuda._sleep(20_000_000)
+        a.copy_(torch.full((8, 1024), float(trial % 5 + 1) / 8, dtype=torch.bfloat16, device="cuda"))
+        c = gm.gemm(a, b)
+        reads.append(c.clone())  # on torch's current stream, right after the call
+        inputs.append(a.clone())
+    torch.cuda.synchronize()
+    assert [e["backend"] for e in gm.gemm_cache_entries()] == ["gemv"]
+    for trial, (got, a0) in enumerate(zip(reads, inputs)):
+        want = a0.double() @ b.double()
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 1e-2, (trial, err)
+    gm.clear_gemm_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_few_row_kernel_entry_for_a_problem_it_cannot_take_gives_way_to_cublas(ctx, tmp_path):
+    torch = _torch()
+    for a, b, trans_b in ((_rand((9, 256), "bfloat16"), _rand((256, 512), "bfloat16"), False),  # 9 rows
+                          (_rand((4, 256), "bfloat16"), _rand((512, 256), "bfloat16"), True)):  # b^T
+        gm.clear_gemm_cache()
+        untuned = _as_torch(gm.gemm(a, b, trans_b=trans_b)).clone()
+        _load_as_gemv(tmp_path)
+        got = _as_torch(gm.gemm(a, b, trans_b=trans_b))
+        assert gm.gemm_cache_entries() == []  # replaced by the untuned choice on first use
+        assert torch.equal(got, untuned)  # cublasGemmEx again: the untuned call's bits
+    gm.clear_gemm_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_autotune_of_a_decoding_shape_tries_the_few_row_kernel(ctx):
+    # With one cuBLASLt candidate asked for, a problem the kernel takes has three candidates
+    # (cublasGemmEx, cuBLASLt's, inferctx's) and one it does not take (b transposed) two; every
+    # one matched cublasGemmEx's result.
+    gm.clear_gemm_cache()
+    [r] = gm.autotune_gemm([(4, 2048, 1024)], "bfloat16", max_algorithms=1, repeats=3, progress=False)
+    assert (r["candidates"], r["valid"]) == (3, 3), r
+    assert r["backend"] != "gemv" or r["algo_index"] == 2, r
+    [t] = gm.autotune_gemm([(4, 2048, 1024)], "bfloat16", trans_b=True, max_algorithms=1, repeats=3,
+                           progress=False)
+    assert (t["candidates"], t["valid"]) == (2, 2), t
+    a, b = _rand((4, 1024), "bfloat16"), _rand((1024, 2048), "bfloat16")
+    _check(gm.gemm(a, b), a.double() @ b.double(), 1e-2, ctx)
     gm.clear_gemm_cache()
 
 

@@ -1,8 +1,9 @@
 // Test-only failure injection: makes the N-th call at one kind of site fail with a chosen code,
 // so that tests can reach every error path of the allocations, virtual-memory calls, stream and
-// event creation, cuBLAS calls and the pool's device synchronisations. Compiled in only with INFERCTX_FAULT_INJECTION (CMake option
-// of the same name, which the ctest build turns on); in every other build `invoke` is the call
-// itself and `injected` is a constant 0, so release builds carry none of it.
+// event creation, cuBLAS calls and the pool's device synchronisations. Compiled in only with
+// INFERCTX_FAULT_INJECTION (CMake option of the same name, which the ctest build turns on); in
+// every other build `invoke` is the call itself and `injected` is a constant 0, so release builds
+// carry none of it.
 #pragma once
 
 #include <cstdint>

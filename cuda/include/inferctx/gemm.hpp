@@ -113,6 +113,11 @@ void gemm(CublasHandle& handle, cudaStream_t stream, const GemmLayout& layout, c
 enum class GemmBackend : int {
   CublasLt = 0,  // cublasLtMatmul with the stored cublasLtMatmulAlgo_t
   Cublas = 1,    // cublasGemmEx / cublasGemmStridedBatchedEx with CUBLAS_GEMM_DEFAULT
+  // inferctx's kernel for 1 to 8 rows (decoding) against an untransposed B: unbatched, B's rows
+  // 16-byte aligned and n a multiple of 16 bytes' elements; fp32 partial sums in the stream's
+  // cuBLAS workspace, added in a fixed order (cuda/src/gemm_gemv.cu). Only autotune_gemm (or an
+  // imported cache entry) chooses it.
+  Gemv = 2,
 };
 
 struct GemmTuneOptions {
@@ -124,9 +129,10 @@ struct GemmTuneOptions {
 
 struct GemmTuneResult {
   int backend = 0;             // GemmBackend of the winner
-  int algo_index = 0;          // 0: cublasGemmEx (the untuned default); i > 0: cuBLASLt's i-th candidate
-  std::vector<uint64_t> algo;  // the winner's cublasLtMatmulAlgo_t words (8), empty for Cublas
-  int algo_id = -1, tile_id = -1, stages_id = -1, splitk = -1;  // its configuration (-1: Cublas)
+  int algo_index = 0;          // 0: cublasGemmEx (the untuned default); i > 0: cuBLASLt's i-th candidate,
+                               // or, the last index, inferctx's kernel (backend Gemv)
+  std::vector<uint64_t> algo;  // the winner's cublasLtMatmulAlgo_t words (8), empty otherwise
+  int algo_id = -1, tile_id = -1, stages_id = -1, splitk = -1;  // its configuration (-1: not cuBLASLt)
   double default_ms = 0.0;     // median time of cublasGemmEx, what gemm runs untuned
   double best_ms = 0.0;        // median time of the winner
   int candidates = 0;          // algorithms tried
@@ -158,7 +164,7 @@ struct GemmCacheEntry {
   // bytes when batch > 1: cuBLASLt kernels differ by the alignment they assume.
   int align_a = 256, align_b = 256, align_c = 256;
   int backend = 0;             // GemmBackend
-  std::vector<uint64_t> algo;  // 8 words of cublasLtMatmulAlgo_t for CublasLt, empty for Cublas
+  std::vector<uint64_t> algo;  // 8 words of cublasLtMatmulAlgo_t for CublasLt, empty for the others
   double time_ms = -1.0;       // median time measured by tune_gemm, -1 when not measured
 };
 
@@ -169,8 +175,8 @@ std::vector<GemmCacheEntry> export_gemm_cache(bool tuned_only = true);
 // it took. It skips, without error, entries for a device ordinal that does not exist here,
 // whose device_name differs from that device's, or whose cublas_version differs from the
 // library loaded now. Malformed entries throw ConfigError (nothing is added then). An
-// imported algorithm is checked with cublasLtMatmulAlgoCheck on first use; one that fails
-// the check is replaced by the heuristic's choice.
+// imported algorithm is checked with cublasLtMatmulAlgoCheck on first use, a Gemv entry against
+// the problems that kernel takes; one that fails the check is replaced by the heuristic's choice.
 int64_t import_gemm_cache(const std::vector<GemmCacheEntry>& entries);
 
 void clear_gemm_cache();
