@@ -106,8 +106,9 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
     another candidate replaces it only when at least 1% faster, since smaller differences
     between medians are noise. Besides cuBLASLt's algorithms, problems of 1 to 8 rows (decoding:
     ``m <= 8``, no batch, ``b`` not transposed, ``n`` a multiple of 8 for 16-bit types or 4 for
-    float32) also try inferctx's own kernel, which reads ``b`` once at close to the memory's
-    bandwidth and adds its fp32 partial sums in a fixed order (the same bits on every run).
+    float32) also try inferctx's own kernel, which reads ``b`` once with 16-byte loads and adds
+    its fp32 partial sums in a fixed order (the same bits on every run). It wins mainly in
+    float32; in 16-bit types cuBLAS is usually faster and stays (docs/benchmarks.md).
 
     Parameters
     ----------
