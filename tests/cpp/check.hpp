@@ -4,7 +4,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <execinfo.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -35,8 +39,37 @@ struct Register {
   Register(const char* name, std::function<void()> body) { cases().push_back({name, std::move(body)}); }
 };
 
+// The case running now, for the crash report; after the last one, the process's exit.
+inline const char*& running() {
+  static const char* name = "(before the first case)";
+  return name;
+}
+
+// A crash (an abort from the C library's heap checks, a segmentation fault) names the case it
+// came from and prints the stack, instead of ending the log at the last buffered line.
+extern "C" inline void check_crash_report(int sig) {
+  const char* name = running();
+  const char head[] = "\nCRASH: signal ";
+  char num[8];
+  int len = 0;
+  for (int v = sig; v > 0 && len < 7; v /= 10) num[len++] = static_cast<char>('0' + v % 10);
+  ssize_t ignored = write(2, head, sizeof head - 1);
+  while (len > 0) ignored = write(2, &num[--len], 1);
+  ignored = write(2, " in ", 4);
+  ignored = write(2, name, std::strlen(name));
+  ignored = write(2, "\n", 1);
+  (void)ignored;
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
 inline int run_all() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a crash loses no line already printed
+  for (int sig : {SIGABRT, SIGSEGV, SIGBUS, SIGFPE, SIGILL}) std::signal(sig, check_crash_report);
   for (auto& c : cases()) {
+    running() = c.name;
     const int before = failures();
     try {
       c.body();
@@ -46,6 +79,7 @@ inline int run_all() {
     }
     std::printf("[%s] %s\n", failures() == before ? "PASS" : "FAIL", c.name);
   }
+  running() = "(after the last case: the process's exit)";
   std::printf("%zu cases, %d failed checks\n", cases().size(), failures());
   return failures() == 0 ? 0 : 1;
 }

@@ -344,6 +344,7 @@ TEST_CASE("release: a failed unmap still gives the memory back; a failed pinned 
   std::vector<unsigned char> pattern(4096);
   for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<unsigned char>(i * 7 + 3);
   INFERCTX_CUDA(cudaMemcpy(ws->data(), pattern.data(), pattern.size(), cudaMemcpyHostToDevice), kDevice);
+  INFERCTX_CUDA(cudaDeviceSynchronize(), kDevice);  // the context's stream is not ordered after these
   ws.reset();
   const int failures = each_failure(
       "keep_contents release", Site::pinned_alloc, cudaErrorMemoryAllocation, Raised::cuda, Raised::cuda, false,
@@ -402,6 +403,7 @@ TEST_CASE("cuBLAS: every failed call of a GEMM raises CublasError; the next GEMM
   DeviceAllocation da(kDevice, n * n * 4), db(kDevice, n * n * 4), dc(kDevice, n * n * 4);
   INFERCTX_CUDA(cudaMemcpy(da.data(), a.data(), n * n * 4, cudaMemcpyHostToDevice), kDevice);
   INFERCTX_CUDA(cudaMemcpy(db.data(), b.data(), n * n * 4, cudaMemcpyHostToDevice), kDevice);
+  INFERCTX_CUDA(cudaDeviceSynchronize(), kDevice);  // the context's stream is not ordered after these
   cudaStream_t stream = ctx->own_stream();
   clear_gemm_cache();  // the first call looks up its algorithm: more cuBLAS calls to fail
   const int failures = each_failure(

@@ -97,11 +97,17 @@ Layout layout_b(const GemmProblem& p) {
 Layout layout_c(const GemmProblem& p) { return {p.m, p.n, p.ldc, p.batch, p.batch > 1 ? p.stride_c : 0}; }
 
 // Device copy of a host matrix (at least 256 bytes, so even empty operands have an address).
+// cudaMemcpy from pageable memory may return before its DMA lands, and the tests' streams are
+// non-blocking (not ordered after the legacy stream): each upload ends with a device-wide sync.
 struct DeviceMatrix {
   std::unique_ptr<DeviceAllocation> memory;
   explicit DeviceMatrix(const HostMatrix& h) {
     memory = std::make_unique<DeviceAllocation>(0, std::max<int64_t>(256, static_cast<int64_t>(h.bytes.size())));
+    upload(h);
+  }
+  void upload(const HostMatrix& h) const {
     INFERCTX_CUDA(cudaMemcpy(memory->data(), h.bytes.data(), h.bytes.size(), cudaMemcpyHostToDevice), 0);
+    INFERCTX_CUDA(cudaDeviceSynchronize(), 0);
   }
   void* data() const { return memory->data(); }
   void download(HostMatrix& h) const {
@@ -489,7 +495,7 @@ TEST_CASE("gpu: a gemm can be captured in a CUDA graph and replayed") {
   // that capture forbids.
   gemm(*gpu().handle, s, p, da.data(), db.data(), dc.data());
   INFERCTX_CUDA(cudaStreamSynchronize(s), 0);
-  INFERCTX_CUDA(cudaMemcpy(dc.data(), c.bytes.data(), c.bytes.size(), cudaMemcpyHostToDevice), 0);
+  dc.upload(c);
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   INFERCTX_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), 0);
@@ -548,7 +554,8 @@ struct FixedOperands {
     dc = std::make_unique<DeviceMatrix>(c);
   }
   HostMatrix run() {
-    INFERCTX_CUDA(cudaMemset(dc->data(), 0xFF, c.bytes.size()), 0);
+    // On the gemm's own stream: a cudaMemset on the legacy stream is not ordered before it.
+    INFERCTX_CUDA(cudaMemsetAsync(dc->data(), 0xFF, c.bytes.size(), gpu().stream), 0);
     gemm(*gpu().handle, gpu().stream, p, da->data(), db->data(), dc->data());
     INFERCTX_CUDA(cudaStreamSynchronize(gpu().stream), 0);
     HostMatrix out(p.dtype, c.count());

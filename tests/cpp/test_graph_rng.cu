@@ -77,6 +77,8 @@ struct DeviceBuffer {
 struct OwnedStream {
   OwnedStream() { INFERCTX_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), -1); }
   ~OwnedStream() { cudaStreamDestroy(s); }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
   cudaStream_t s = nullptr;
 };
 
@@ -100,6 +102,8 @@ struct CapturedStep {
     INFERCTX_CUDA(cudaGraphInstantiate(&exec, graph, 0), -1);
   }
   ~CapturedStep() { destroy(); }
+  CapturedStep(const CapturedStep&) = delete;
+  CapturedStep& operator=(const CapturedStep&) = delete;
   void destroy() {
     if (exec) cudaGraphExecDestroy(exec);
     if (graph) cudaGraphDestroy(graph);
@@ -149,6 +153,8 @@ void fill_ones(void* x, int64_t n, int dtype) {
     }
   }
   INFERCTX_CUDA(cudaMemcpy(x, host.data(), host.size(), cudaMemcpyHostToDevice), -1);
+  // A pageable upload may return before its DMA lands; the streams here are non-blocking.
+  INFERCTX_CUDA(cudaDeviceSynchronize(), -1);
 }
 
 int first_mismatch(const Mask& a, const Mask& b) {
