@@ -68,6 +68,8 @@ extern "C" inline void check_crash_report(int sig) {
 inline int run_all() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a crash loses no line already printed
   for (int sig : {SIGABRT, SIGSEGV, SIGBUS, SIGFPE, SIGILL}) std::signal(sig, check_crash_report);
+  void* warm[1];
+  backtrace(warm, 1);  // loads the unwinder now: in the handler the heap may be corrupt
   for (auto& c : cases()) {
     running() = c.name;
     const int before = failures();
