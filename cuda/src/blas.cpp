@@ -19,6 +19,17 @@ int64_t cublas_workspace_bytes(int cc_major) {
   return cc_major >= 9 ? 32 * kMiB : 4 * kMiB;
 }
 
+void init_blas_libraries(int device) noexcept {
+  static std::once_flag once;
+  std::call_once(once, [device] {
+    CurrentDeviceScope on(device, std::nothrow);
+    cublasLtHandle_t lt = nullptr;
+    if (cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS) cublasLtDestroy(lt);
+    cublasHandle_t handle = nullptr;
+    if (cublasCreate(&handle) == CUBLAS_STATUS_SUCCESS) cublasDestroy(handle);
+  });
+}
+
 CublasHandle::CublasHandle(int device) : device_(device) {
   CurrentDeviceScope on(device);
   int cc_major = 0;

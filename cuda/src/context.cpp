@@ -8,6 +8,7 @@
 #include <map>
 #include <string>
 
+#include "inferctx/blas.hpp"
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
 #include "context_detail.hpp"
@@ -68,6 +69,9 @@ std::shared_ptr<InferenceContext> InferenceContext::instance(int device) {
     throw ConfigError("device", "device: got " + std::to_string(device) + "; valid: -1 (the current device) or 0.." +
                                     std::to_string(count - 1));
   }
+  // Likewise cuBLAS's and cuBLASLt's process-wide state (blas.hpp), which the contexts' handles
+  // need until they are destroyed.
+  init_blas_libraries(device);
   static Registry registry;
   std::lock_guard<std::mutex> lock(registry.mutex);
   std::shared_ptr<InferenceContext>& slot = registry.contexts[device];

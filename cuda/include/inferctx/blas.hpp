@@ -103,4 +103,12 @@ class WorkspaceUse {
 // before: cuBLAS's recommendation). ConfigError("cc_major") for cc_major < 1.
 int64_t cublas_workspace_bytes(int cc_major);
 
+// cuBLAS and cuBLASLt build process-wide state with their first handle and register its teardown
+// at exit then. An object whose destructor destroys handles must be built after that state, or
+// it is destroyed after the state is gone (cublasLtDestroy then frees memory a second time).
+// Creates and destroys one handle of each on `device` (the current device is kept), once per
+// process; a failure is left to the real handle's creation to report. The context registry
+// calls it before it is built.
+void init_blas_libraries(int device) noexcept;
+
 }  // namespace inferctx
