@@ -197,8 +197,8 @@ void launch_gemv(const GemmProblem& p, const void* a, const void* b, void* c, fl
     }
     check_cuda(cudaGetLastError(), "gemv_partial_kernel<<<>>>", device);
     const int threads = 256;
-    gemv_finish_kernel<T><<<grid_for(p.m * p.n, threads), threads, 0, stream>>>(partial, static_cast<T*>(c), static_cast<int>(p.m), p.n,
-                                                        p.ldc, static_cast<int>(gemv_chunks(p)), alpha, beta);
+    gemv_finish_kernel<T><<<grid_for(p.m * p.n, threads), threads, 0, stream>>>(
+        partial, static_cast<T*>(c), static_cast<int>(p.m), p.n, p.ldc, static_cast<int>(gemv_chunks(p)), alpha, beta);
   });
   check_cuda(cudaGetLastError(), "gemv_finish_kernel<<<>>>", device);
 }
