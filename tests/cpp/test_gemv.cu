@@ -27,18 +27,18 @@ namespace {
 struct Gpu {
   std::unique_ptr<CublasHandle> handle;
   cudaStream_t stream = nullptr;
-  Gpu() = default;
-  Gpu(const Gpu&) = delete;
-  Gpu& operator=(const Gpu&) = delete;
 };
 
+// The handle is made while the static is built: cuBLAS's process-wide state, built with the
+// first handle, is then torn down after the static's destructor destroys the handle (blas.hpp).
 Gpu& gpu() {
-  static Gpu g;
-  if (!g.handle) {
+  static Gpu g = [] {
+    Gpu x;
     INFERCTX_CUDA(cudaSetDevice(0), 0);
-    g.handle = std::make_unique<CublasHandle>(0);
-    INFERCTX_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking), 0);
-  }
+    x.handle = std::make_unique<CublasHandle>(0);
+    INFERCTX_CUDA(cudaStreamCreateWithFlags(&x.stream, cudaStreamNonBlocking), 0);
+    return x;
+  }();
   return g;
 }
 
