@@ -212,6 +212,25 @@ inline void expect_correct(CublasHandle& handle, cudaStream_t stream, const Gemm
   CHECK(out.padding_intact);
 }
 
+// The tests' device (0), cuBLAS handle and non-blocking stream. The handle is made while the
+// static is built: cuBLAS's process-wide state, built with the first handle, is then torn down
+// after the static's destructor has destroyed the handle (blas.hpp).
+struct Gpu {
+  std::unique_ptr<CublasHandle> handle;
+  cudaStream_t stream = nullptr;
+};
+
+inline Gpu& gpu() {
+  static Gpu g = [] {
+    Gpu x;
+    INFERCTX_CUDA(cudaSetDevice(0), 0);
+    x.handle = std::make_unique<CublasHandle>(0);
+    INFERCTX_CUDA(cudaStreamCreateWithFlags(&x.stream, cudaStreamNonBlocking), 0);
+    return x;
+  }();
+  return g;
+}
+
 // Runs `p` on fixed operands and returns C's bytes, for comparing two algorithms' results.
 struct FixedOperands {
   GemmProblem p;

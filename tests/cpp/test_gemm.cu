@@ -44,22 +44,6 @@ GemmProblem padded(int dtype, int64_t m, int64_t n, int64_t k, int64_t batch, bo
   return p;
 }
 
-struct Gpu {
-  std::unique_ptr<CublasHandle> handle;
-  cudaStream_t stream = nullptr;
-};
-
-Gpu& gpu() {
-  static Gpu g = [] {
-    Gpu x;
-    INFERCTX_CUDA(cudaSetDevice(0), 0);
-    x.handle = std::make_unique<CublasHandle>(0);
-    INFERCTX_CUDA(cudaStreamCreateWithFlags(&x.stream, cudaStreamNonBlocking), 0);
-    return x;
-  }();
-  return g;
-}
-
 template <typename F>
 std::string config_error_argument(F&& f) {
   try {

@@ -9,8 +9,6 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <memory>
-#include <string>
 #include <vector>
 
 #include "check.hpp"
@@ -23,24 +21,6 @@ using namespace inferctx;
 using namespace gemm_reference;
 
 namespace {
-
-struct Gpu {
-  std::unique_ptr<CublasHandle> handle;
-  cudaStream_t stream = nullptr;
-};
-
-// The handle is made while the static is built: cuBLAS's process-wide state, built with the
-// first handle, is then torn down after the static's destructor destroys the handle (blas.hpp).
-Gpu& gpu() {
-  static Gpu g = [] {
-    Gpu x;
-    INFERCTX_CUDA(cudaSetDevice(0), 0);
-    x.handle = std::make_unique<CublasHandle>(0);
-    INFERCTX_CUDA(cudaStreamCreateWithFlags(&x.stream, cudaStreamNonBlocking), 0);
-    return x;
-  }();
-  return g;
-}
 
 // A cache entry that makes gemm run the few-row kernel on `p` (device 0, operands at addresses
 // aligned to 256 bytes, as the tests' allocations are).
