@@ -532,6 +532,25 @@ def test_torch_results_come_from_torchs_allocator(torch, ctx):
     assert torch.cuda.memory_allocated() == before
 
 
+def test_operands_that_require_grad_give_results_without_autograd_history(torch, ctx):
+    # Inference kernels (README): weights left as nn.Parameters work as they are, and no result
+    # carries autograd history, whichever path (general or compiled) takes the call.
+    w = torch.nn.Parameter(_ints(torch, (16, 8), 3, torch.float16))
+    a = _ints(torch, (4, 16), 4, torch.float16).requires_grad_()
+    want = a.detach() @ w.detach()  # exact: small integers
+    for _ in range(2):  # the first call of a layout takes the general path, later ones the other
+        c = inferctx.gemm(a, w)
+        assert c.requires_grad is False and c.grad_fn is None
+        assert torch.equal(c, want)
+    out = torch.zeros(4, 8, device="cuda", dtype=torch.float16, requires_grad=True)
+    for _ in range(2):
+        assert inferctx.gemm(a, w, out=out) is out
+        assert torch.equal(out.detach(), want)
+    y, bits = inferctx.dropout(a, 0.0)  # p = 0 copies x bit for bit
+    assert y.requires_grad is False and bits.requires_grad is False
+    assert torch.equal(y, a.detach())
+
+
 def test_cupy_in_cupy_out(torch, cupy, ctx):
     x = cupy.random.standard_normal(1000, dtype=cupy.float32)
     y, bits = inferctx.dropout(x, 0.3)
