@@ -1,4 +1,4 @@
-// Device-memory helpers shared by the context tests.
+// Device-memory helpers shared by the tests.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +11,16 @@
 #include "inferctx/memory.hpp"
 
 namespace test_memory {
+
+// Copies `bytes` from host memory to `dst` and returns once they are there: cudaMemcpy from
+// pageable memory may return before its DMA lands, and work on a non-blocking stream is not
+// ordered after the legacy stream's, so the copy ends with a device-wide synchronisation (which
+// also waits for any cudaMemset queued before it).
+inline void upload(void* dst, const void* src, size_t bytes, int device) {
+  if (bytes == 0) return;
+  INFERCTX_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), device);
+  INFERCTX_CUDA(cudaDeviceSynchronize(), device);
+}
 
 __global__ void fill_bytes(unsigned char* p, int64_t n, unsigned char value) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "device_memory.cuh"
 #include "inferctx/blas.hpp"
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/gemm.hpp"
@@ -93,9 +94,8 @@ inline Layout layout_b(const GemmProblem& p) {
 }
 inline Layout layout_c(const GemmProblem& p) { return {p.m, p.n, p.ldc, p.batch, p.batch > 1 ? p.stride_c : 0}; }
 
-// Device copy of a host matrix (at least 256 bytes, so even empty operands have an address).
-// cudaMemcpy from pageable memory may return before its DMA lands, and the tests' streams are
-// non-blocking (not ordered after the legacy stream): each upload ends with a device-wide sync.
+// Device copy of a host matrix (at least 256 bytes, so even empty operands have an address),
+// landed when an upload returns (the tests' streams are non-blocking).
 struct DeviceMatrix {
   std::unique_ptr<DeviceAllocation> memory;
   explicit DeviceMatrix(const HostMatrix& h) {
@@ -103,8 +103,7 @@ struct DeviceMatrix {
     upload(h);
   }
   void upload(const HostMatrix& h) const {
-    INFERCTX_CUDA(cudaMemcpy(memory->data(), h.bytes.data(), h.bytes.size(), cudaMemcpyHostToDevice), 0);
-    INFERCTX_CUDA(cudaDeviceSynchronize(), 0);
+    test_memory::upload(memory->data(), h.bytes.data(), h.bytes.size(), 0);
   }
   void* data() const { return memory->data(); }
   void download(HostMatrix& h) const {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "device_memory.cuh"
 #include "inferctx/context.hpp"
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
@@ -343,8 +344,7 @@ TEST_CASE("release: a failed unmap still gives the memory back; a failed pinned 
   INFERCTX_CUDA(cudaMemset(ws->data(), 0, static_cast<size_t>(ws->size())), kDevice);
   std::vector<unsigned char> pattern(4096);
   for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<unsigned char>(i * 7 + 3);
-  INFERCTX_CUDA(cudaMemcpy(ws->data(), pattern.data(), pattern.size(), cudaMemcpyHostToDevice), kDevice);
-  INFERCTX_CUDA(cudaDeviceSynchronize(), kDevice);  // the context's stream is not ordered after these
+  test_memory::upload(ws->data(), pattern.data(), pattern.size(), kDevice);  // before the context's stream
   ws.reset();
   const int failures = each_failure(
       "keep_contents release", Site::pinned_alloc, cudaErrorMemoryAllocation, Raised::cuda, Raised::cuda, false,
@@ -401,9 +401,8 @@ TEST_CASE("cuBLAS: every failed call of a GEMM raises CublasError; the next GEMM
     b[i] = static_cast<float>((i * 13) % 7) - 3.0f;
   }
   DeviceAllocation da(kDevice, n * n * 4), db(kDevice, n * n * 4), dc(kDevice, n * n * 4);
-  INFERCTX_CUDA(cudaMemcpy(da.data(), a.data(), n * n * 4, cudaMemcpyHostToDevice), kDevice);
-  INFERCTX_CUDA(cudaMemcpy(db.data(), b.data(), n * n * 4, cudaMemcpyHostToDevice), kDevice);
-  INFERCTX_CUDA(cudaDeviceSynchronize(), kDevice);  // the context's stream is not ordered after these
+  test_memory::upload(da.data(), a.data(), n * n * 4, kDevice);  // landed before the context's stream
+  test_memory::upload(db.data(), b.data(), n * n * 4, kDevice);
   cudaStream_t stream = ctx->own_stream();
   clear_gemm_cache();  // the first call looks up its algorithm: more cuBLAS calls to fail
   const int failures = each_failure(

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "device_memory.cuh"
 #include "inferctx/context.hpp"
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/dropout.hpp"
@@ -152,9 +153,7 @@ void fill_ones(void* x, int64_t n, int dtype) {
       std::memcpy(&host[static_cast<size_t>(i * 2)], &one, 2);
     }
   }
-  INFERCTX_CUDA(cudaMemcpy(x, host.data(), host.size(), cudaMemcpyHostToDevice), -1);
-  // A pageable upload may return before its DMA lands; the streams here are non-blocking.
-  INFERCTX_CUDA(cudaDeviceSynchronize(), -1);
+  test_memory::upload(x, host.data(), host.size(), -1);  // landed: the streams here are non-blocking
 }
 
 int first_mismatch(const Mask& a, const Mask& b) {

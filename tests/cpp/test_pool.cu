@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "device_memory.cuh"
 #include "inferctx/blas.hpp"
 #include "inferctx/cuda_check.hpp"
 #include "inferctx/errors.hpp"
@@ -195,8 +196,9 @@ TEST_CASE("gpu: each stream's GEMMs get a workspace of their own; concurrent pro
   // Zeroed first: compute-sanitizer initcheck does not see the stores of cuBLAS's Hopper kernels
   // and would call the results uninitialized (every value is checked below).
   for (__half* q : {c1, c2}) check_cuda(cudaMemset(q, 0, n * n * sizeof(__half)), "cudaMemset", kDevice);
-  check_cuda(cudaMemcpy(a, ones.data(), n * n * sizeof(__half), cudaMemcpyHostToDevice), "cudaMemcpy", kDevice);
-  check_cuda(cudaMemcpy(b, ones.data(), n * n * sizeof(__half), cudaMemcpyHostToDevice), "cudaMemcpy", kDevice);
+  // Landed (zeroes included) before the GEMMs on the two non-blocking streams below.
+  test_memory::upload(a, ones.data(), n * n * sizeof(__half), kDevice);
+  test_memory::upload(b, ones.data(), n * n * sizeof(__half), kDevice);
   cudaStream_t s1 = new_stream(), s2 = new_stream();
   const GemmProblem p = packed_gemm_problem(1, n, n, n, 1, false, false, false);
   void* w1 = nullptr;
