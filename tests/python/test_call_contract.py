@@ -536,9 +536,10 @@ def test_operands_that_require_grad_give_results_without_autograd_history(torch,
     # Inference kernels (README): weights left as nn.Parameters work as they are, and no result
     # carries autograd history, whichever path (general or compiled) takes the call.
     w = torch.nn.Parameter(_ints(torch, (16, 8), 3, torch.float16))
-    a = _ints(torch, (4, 16), 4, torch.float16).requires_grad_()
-    want = a.detach() @ w.detach()  # exact: small integers
     for _ in range(2):  # the first call of a layout takes the general path, later ones the other
+        torch.cuda._sleep(SLEEP_CYCLES)  # the producer's a comes late; the read follows at once
+        a = _ints(torch, (4, 16), 4, torch.float16).requires_grad_()
+        want = a.detach() @ w.detach()  # exact: small integers
         c = inferctx.gemm(a, w)
         assert c.requires_grad is False and c.grad_fn is None
         assert torch.equal(c, want)
