@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 TOP = pathlib.Path(__file__).resolve().parents[2]
-BASH_SCRIPTS = ("gpu-suite", "run-tests", "bench-run")
+BASH_SCRIPTS = ("gpu-suite", "run-tests", "bench-run", "host-sanitize")
 
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
