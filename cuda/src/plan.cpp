@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "inferctx/errors.hpp"
 #include "plan_detail.hpp"
@@ -101,6 +103,7 @@ struct Attempt {
   bool ok = false;
   WorkspacePlan plan;
   int64_t requested = 0;  // bytes needed for the tokens that had to fit (weights excluded)
+  int64_t fit_tokens = -1;  // where those tokens were what failed: how many fit at this batch
   std::string why;
 };
 
@@ -164,6 +167,7 @@ Attempt attempt(const PlanRequest& r) {
     overflow_error(r, need, needed_argument(r));
   }
   if (max_tokens < need) {
+    a.fit_tokens = max_tokens;
     a.why = tokens_text(max_tokens) + (max_tokens == 1 ? " fits" : " fit") + ", fewer than " + needed_argument(r) +
             "=" + std::to_string(need);
     return a;
@@ -214,6 +218,16 @@ WorkspacePlan plan_workspace(const PlanRequest& request) {
   });
   const int64_t batch_hint = best_batch >= 1 ? best_batch : -1;
   const int64_t out_hint = best_out >= need ? best_out : -1;
+  // Where the tokens that must fit (prompt_len, min_out_tokens) are what failed, asking for no
+  // more than fit at this batch is an answer too (the plan is then bound by memory).
+  std::string tokens_hint;
+  if (a.fit_tokens >= 1) {
+    for (const auto& [name, value] : {std::pair<const char*, int64_t>{"prompt_len", request.prompt_len},
+                                      std::pair<const char*, int64_t>{"min_out_tokens", request.min_out_tokens}}) {
+      if (value <= a.fit_tokens) continue;
+      tokens_hint += (tokens_hint.empty() ? "" : " and ") + std::string(name) + " <= " + std::to_string(a.fit_tokens);
+    }
+  }
 
   std::string msg = "workspace does not fit: " + a.why + "; needs " + human_bytes(a.requested) + " for " +
                     tokens_text(need) + ", free " + human_bytes(request.free_bytes) + " of " +
@@ -221,11 +235,13 @@ WorkspacePlan plan_workspace(const PlanRequest& request) {
   if (request.weights_bytes > 0)
     msg += ", " + human_bytes(a.plan.planned_free_bytes) + " after the weights (" + human_bytes(request.weights_bytes) + ")";
   msg += ", budget " + human_bytes(a.plan.budget_bytes) + " (" + a.plan.budget_limit + ")";
-  if (batch_hint > 0 || out_hint > 0) {
-    msg += "; would fit:";
-    if (batch_hint > 0) msg += " batch_size <= " + std::to_string(batch_hint);
-    if (batch_hint > 0 && out_hint > 0) msg += " or";
-    if (out_hint > 0) msg += " max_out_tokens <= " + std::to_string(out_hint);
+  std::vector<std::string> hints;
+  if (batch_hint > 0) hints.push_back("batch_size <= " + std::to_string(batch_hint));
+  if (out_hint > 0) hints.push_back("max_out_tokens <= " + std::to_string(out_hint));
+  if (!tokens_hint.empty()) hints.push_back(tokens_hint);
+  if (!hints.empty()) {
+    msg += "; would fit: ";
+    for (size_t i = 0; i < hints.size(); ++i) msg += (i ? " or " : "") + hints[i];
   } else if (request.weights_bytes > request.free_bytes) {
     msg += "; the weights alone do not fit: use a larger mp_size (weights split across ranks), a smaller "
            "dtype, or a device with more memory";

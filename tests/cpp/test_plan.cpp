@@ -150,6 +150,68 @@ TEST_CASE("exact policy: OOM names the largest batch and max_out_tokens that fit
   CHECK(caught);
 }
 
+TEST_CASE("exact policy: OOM where the tokens that must fit are too many names the most that fit") {
+  // Batch 1, max_out 16, budget 50000: t tokens take act 5120t + KV 2 layers x 2 x 256t + scores
+  // align256(4 heads x 16 x t x 2 B). t = 7: 35840 + 7168 + 1024 = 44032 fits; t = 8: 40960 +
+  // 8192 + 1024 = 50176 does not. 12 tokens need 61440 + 12288 + 1536 = 75264.
+  PlanRequest r = small_exact();
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  r.has_memory_limit = true;
+  r.memory_limit_bytes = 50000;
+  auto message = [](const PlanRequest& req) {
+    try {
+      plan_workspace(req);
+    } catch (const WorkspaceOOMError& e) {
+      CHECK_EQ(e.max_batch_size, -1);  // no smaller batch or max_out_tokens holds 12 tokens
+      CHECK_EQ(e.max_out_tokens, -1);
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  r.min_out_tokens = 12;
+  std::string m = message(r);
+  CHECK(m.find("7 tokens fit, fewer than min_out_tokens=12; needs 73.50 KiB for 12 tokens") != std::string::npos);
+  CHECK(m.find("; would fit: min_out_tokens <= 7") != std::string::npos);
+  CHECK(m.find("no smaller") == std::string::npos);
+  r.prompt_len = 10;  // both over 7: both named
+  m = message(r);
+  CHECK(m.find("; would fit: prompt_len <= 7 and min_out_tokens <= 7") != std::string::npos);
+  r.min_out_tokens = 5;  // only the prompt over 7
+  m = message(r);
+  CHECK(m.find("7 tokens fit, fewer than prompt_len=10") != std::string::npos);
+  CHECK(m.find("; would fit: prompt_len <= 7") != std::string::npos);
+  CHECK(m.find("min_out_tokens <=") == std::string::npos);
+  // Each answer fits: 7 tokens asked for, the plan holds 7.
+  r.prompt_len = 7;
+  CHECK_EQ(plan_workspace(r).max_tokens, 7);
+  r.prompt_len = 1;
+  r.min_out_tokens = 7;
+  CHECK_EQ(plan_workspace(r).max_tokens, 7);
+}
+
+TEST_CASE("exact policy: the batch, max_out_tokens and token answers are offered together") {
+  // Batch 2, max_out 16, 4 tokens needed, budget 50000 (the case above it: batch 1 and
+  // max_out_tokens 12 fit). At batch 2, t = 3: 30720 + 6144 + align256(2 x 4 x 16 x 3 x 2 = 768)
+  // = 37632 fits; t = 4: 40960 + 8192 + 1024 = 50176 does not.
+  PlanRequest r = small_exact();
+  r.batch_size = 2;
+  r.min_out_tokens = 4;
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  r.has_memory_limit = true;
+  r.memory_limit_bytes = 50000;
+  std::string m;
+  try {
+    plan_workspace(r);
+  } catch (const WorkspaceOOMError& e) {
+    m = e.what();
+  }
+  CHECK(m.find("; would fit: batch_size <= 1 or max_out_tokens <= 12 or min_out_tokens <= 3") != std::string::npos);
+  r.min_out_tokens = 3;
+  CHECK_EQ(plan_workspace(r).max_tokens, 3);
+}
+
 TEST_CASE("both policies refuse a prompt that does not fit") {
   PlanRequest r = deepspeed_llama7b(8 * kGiB);  // 1367 tokens fit
   r.prompt_len = 1500;

@@ -138,6 +138,28 @@ def test_max_batch_miss_names_max_tokens_and_the_largest_that_fits(capsys):
     assert "--min-tokens" not in err and err.count("\n") == 1
 
 
+def test_plan_miss_on_min_tokens_names_the_most_that_fit(capsys):
+    # --max-tokens 5000 sizes the scores for 5000 tokens, so t tokens take t x 606,208 B plus
+    # 64 x 5000 x t = 320,000 t B: 1046 tokens take 968,813,568 B, within the 924 MiB budget of
+    # 968,884,224 B; 1047 take 969,739,776 B. 5000 tokens need 4,631,040,000 B = 4.31 GiB.
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--max-tokens", "5000",
+                         "--min-tokens", "5000")
+    assert 1046 * 606_208 + 320_000 * 1046 == 968_813_568 <= 924 * MIB < 1047 * 926_208
+    assert llama2_7b_bytes(1, 5000) == 4_631_040_000
+    assert code == 2 and out == ""
+    assert err == ("inferctx: WorkspaceOOMError: workspace does not fit: 1046 tokens fit, fewer than "
+                   "--min-tokens=5000; needs 4.31 GiB for 5000 tokens, free 1.00 GiB of 1.00 GiB, budget 924.00 MiB "
+                   "(reserve); would fit: --min-tokens <= 1046\n")
+    # The answer fits, bound by memory at the same 1046 tokens.
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--max-tokens", "5000",
+                       "--min-tokens", "1046")
+    assert code == 0 and "max tokens 1046  (bound by memory" in out
+    # A prompt over the most that fit is named with it.
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--max-tokens", "5000",
+                       "--prompt-len", "3000", "--min-tokens", "5000")
+    assert code == 2 and err.endswith("would fit: --prompt-len <= 1046 and --min-tokens <= 1046\n")
+
+
 def test_most_tokens_miss_names_prompt_len_and_what_fits(capsys):
     code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--prompt-len", "5000",
                          "--most-tokens")
