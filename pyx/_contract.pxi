@@ -281,9 +281,11 @@ cdef class _Call:
                                f"{self.device} (ctx, or its first operand)", argument=argument)
         return a
 
-    cdef object result(self, int dtype, tuple shape, object like):
+    cdef object result(self, int dtype, tuple shape, object like, str argument, str also=""):
         """A new C-contiguous result in the call's package; `like` (or None) is an operand of
-        that dtype and shape whose empty_like gives it fastest."""
+        that dtype and shape whose empty_like gives it fastest. A DeviceView result is refused
+        under CUDA-graph capture (see _pooled_view), naming `argument`, the keyword that takes
+        the caller's own array instead (`also`: the call's other such keywords)."""
         if self.package == PKG_TORCH:
             if like is not None:
                 return _torch_empty_like(like)
@@ -291,7 +293,8 @@ cdef class _Call:
         if self.package == PKG_CUPY:
             with _cupy.cuda.Device(self.device):
                 return _cupy.empty(shape, dtype=_DTYPE_NAMES[dtype])
-        return _pooled_view(self.ctx, dtype, shape, self.kernel)
+        return _pooled_view(self.ctx, dtype, shape, self.kernel, argument,
+                            f"pass {argument}={also}, made before the capture")
 
     cdef int finish(self) except -1:
         """The caller's streams wait for the work queued on `kernel`."""

@@ -96,7 +96,7 @@ def _gemm(_Call call, int ndim, CudaArray a, CudaArray b, CudaArray c, object ou
     cdef _GemmLayout layout = _gemm_layout_of(ndim, trans_a, trans_b, a, b, c)
     cdef uintptr_t c_ptr
     if c is None:
-        out = call.result(a._dtype, layout.out_shape, None)
+        out = call.result(a._dtype, layout.out_shape, None, "out")
         c_ptr = _result_ptr(out)
     else:
         c_ptr = c.ptr

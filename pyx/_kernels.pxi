@@ -181,15 +181,16 @@ cdef tuple _dropout_on(_Call call, object x, double prob, object out, int mode, 
         mask_ptr = mk.ptr
     y = out
     if out is None:
-        y = call.result(a._dtype, a.shape, x if call._like is x and call.package == PKG_TORCH else None)
+        y = call.result(a._dtype, a.shape, x if call._like is x and call.package == PKG_TORCH else None, "out",
+                        " and mask_out= (or mask=None)" if mask_out is None and mode != 0 else "")
         y_ptr = _result_ptr(y)
     m = mask_out
     if mask_out is None and mode != 0:
         if mode == 2:  # ceil(n / 32) 32-bit words
             m = call.result(DT_INT32 if call.package == PKG_TORCH else DT_UINT32,
-                            (dropout_mask_elements(n, mode),), None)
+                            (dropout_mask_elements(n, mode),), None, "mask_out", " (or mask=None)")
         else:  # a uint8 per element, in x's shape
-            m = call.result(DT_UINT8, a.shape, None)
+            m = call.result(DT_UINT8, a.shape, None, "mask_out", " (or mask=None)")
         mask_ptr = _result_ptr(m)
     cdef const void* xp = <const void*>a.ptr
     cdef void* yp = <void*>y_ptr
@@ -281,7 +282,7 @@ cdef object _apply_mask_on(_Call call, object grad, object mask, double prob, ob
     cdef uintptr_t out_ptr
     if out is None:
         result = call.result(g._dtype, g.shape,
-                             grad if call._like is grad and call.package == PKG_TORCH else None)
+                             grad if call._like is grad and call.package == PKG_TORCH else None, "out")
         out_ptr = _result_ptr(result)
     else:
         out_ptr = _out_arg(call, out, g, "grad").ptr

@@ -98,9 +98,21 @@ cdef MemoryPool _memory_pool(int device):
     return pool
 
 
-cdef DeviceView _pooled_view(InferenceContext ctx, int dtype, tuple shape, uintptr_t stream):
+cdef DeviceView _pooled_view(InferenceContext ctx, int dtype, tuple shape, uintptr_t stream, str argument,
+                             str advice):
     """A new C-contiguous view of `dtype` x `shape` in a block of ctx's device pool, usable on
-    `stream` in stream order."""
+    `stream` in stream order. While `stream` captures a CUDA graph the pool takes no memory: a
+    block made in the capture would belong to the graph, and letting one go there needs a device
+    synchronisation, which ends the capture. ConfigError naming `argument` then, with `advice`,
+    before anything is allocated."""
+    cdef cudaError_t error = cudaSuccess
+    cdef unsigned long long capture
+    with nogil:
+        capture = _capture_id(<cudaStream_t>stream, &error)
+    if capture != 0 and error == cudaSuccess:  # an error: the stream is refused where it is used
+        raise _ConfigError(f"{argument}: a new DeviceView comes from inferctx's memory pool, which takes no "
+                           f"memory while the stream ({stream:#x}) captures a CUDA graph; {advice}",
+                           argument=argument)
     cdef int64_t size = _shape_size(shape, _DTYPE_ITEMSIZE[dtype], "shape")
     cdef int64_t nbytes = size * _DTYPE_ITEMSIZE[dtype]
     cdef int device = ctx.device

@@ -65,6 +65,16 @@ cdef class DeviceView:
                             "kv_cache, activations, attention_scores), from DeviceView.view and "
                             "from the kernels; they cannot be constructed directly")
 
+    def __dealloc__(self):
+        # The last view of a pool block lets the block go, and a block used on a stream that may
+        # be gone, or by a consumer not known, waits for the whole device first (pool.hpp). That
+        # wait runs without the GIL: a host callback queued on a stream may need it to finish,
+        # and other Python threads go on meanwhile.
+        cdef shared_ptr[DeviceAllocation] last
+        last.swap(self._alloc)
+        with nogil:
+            last.reset()
+
     # -- description -----------------------------------------------------------------------
     @property
     def ptr(self):
@@ -223,7 +233,8 @@ cdef class DeviceView:
 
     cdef DeviceView _device_copy(self, uintptr_t producer):
         """A copy in a new allocation, queued on `producer` (the view's stream)."""
-        cdef DeviceView out = _pooled_view(self._ctx, self._dtype, self._shape, producer)
+        cdef DeviceView out = _pooled_view(self._ctx, self._dtype, self._shape, producer, "copy",
+                                           "export without copy=True, or copy before the capture")
         _note_use(self, producer)
         _copy(out._ptr, self._ptr, self._nbytes, producer, self._device)
         return out
@@ -337,7 +348,8 @@ cdef DeviceView _new_view(int device, int dtype, tuple shape):
     """A new C-contiguous view in a block of its own from the device's stream-ordered pool,
     usable on ctx.stream."""
     cdef InferenceContext ctx = _context_of(device)
-    return _pooled_view(ctx, dtype, _shape_arg(shape, "shape"), _ctx_stream(ctx))
+    return _pooled_view(ctx, dtype, _shape_arg(shape, "shape"), _ctx_stream(ctx), "shape",
+                        "make the view before the capture")
 
 
 cdef DeviceView new_device_view(int device, str dtype, tuple shape):

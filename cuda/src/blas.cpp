@@ -85,8 +85,10 @@ cublasStatus_t CublasHandle::bind_stream(cudaStream_t stream) noexcept {
 }
 
 CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, bool capturing) {
+  // The per-thread default stream is one handle for as many streams as there are threads.
+  const uint64_t thread = stream == cudaStreamPerThread ? this_thread_serial() : 0;
   for (StreamWorkspace& w : workspaces_) {
-    if (w.stream != stream) continue;
+    if (w.stream != stream || w.thread != thread) continue;
     if (w.ptr == nullptr && !capturing) {  // first seen in a capture: it gets memory now
       w.block = DevicePool::of(device_)->allocate_now(workspace_->size());
       w.block->note_use(stream);
@@ -97,13 +99,13 @@ CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, 
   bool own_taken = false;
   for (const StreamWorkspace& w : workspaces_) own_taken = own_taken || w.block == nullptr;
   if (!own_taken) {
-    workspaces_.push_back({stream, workspace_->data(), nullptr, 0, capturing});
+    workspaces_.push_back({stream, thread, workspace_->data(), nullptr, 0, capturing});
     return workspaces_.back();
   }
   if (capturing) {
     // No memory can be taken while a stream captures (torch's global capture mode refuses any
     // allocation): its GEMMs run without a workspace, as cuBLAS allows, until it stops capturing.
-    workspaces_.push_back({stream, nullptr, nullptr, 0, false});
+    workspaces_.push_back({stream, thread, nullptr, nullptr, 0, false});
     return workspaces_.back();
   }
   if (static_cast<int>(workspaces_.size()) >= kMaxStreamWorkspaces) {
@@ -121,7 +123,7 @@ CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, 
   // allocation inside a capture would belong to the graph.
   std::shared_ptr<PooledAllocation> block = DevicePool::of(device_)->allocate_now(workspace_->size());
   block->note_use(stream);  // freed, if ever, after the work queued on `stream`
-  workspaces_.push_back({stream, block->data(), block, 0, capturing});
+  workspaces_.push_back({stream, thread, block->data(), block, 0, capturing});
   return workspaces_.back();
 }
 

@@ -26,15 +26,6 @@ PoolRegistry& registry() {
   return *r;
 }
 
-// A number for the calling thread, never given to another (std::thread::id values are reused
-// once a thread ends, and a block noted on one thread's per-thread stream must not be taken
-// for another's).
-uint64_t this_thread_serial() noexcept {
-  static std::atomic<uint64_t> next{1};
-  thread_local const uint64_t serial = next.fetch_add(1, std::memory_order_relaxed);
-  return serial;
-}
-
 int64_t pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr, int device) {
   uint64_t value = 0;
   check_cuda(cudaMemPoolGetAttribute(pool, attr, &value), "cudaMemPoolGetAttribute", device);
@@ -215,6 +206,15 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
   }
   if (ptr == nullptr) return;
   CurrentDeviceScope on(device_, std::nothrow);
+  if (ordered && durable_user_captures(users)) {
+    // No free or event may be queued on a stream while it captures a CUDA graph (a free there
+    // must name a block the graph allocated, and an event recorded there would pull the pool's
+    // stream into the capture): the block waits, counted, for the next device synchronisation
+    // that succeeds, which comes after the capture (the next such free, or trim()).
+    std::lock_guard<std::mutex> lock(mutex_);
+    deferred_.push_back({ptr, next_deferral_++});
+    return;
+  }
   if (ordered && users.size() == 1) {
     // Used on one durable stream only (the common case): freed in its order, where the next
     // allocation on it takes the block straight back.
@@ -268,6 +268,18 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
     if (cudaFree(ptr) != cudaSuccess) cudaGetLastError();
   }
   freed();
+}
+
+bool DevicePool::durable_user_captures(const std::vector<cudaStream_t>& users) const noexcept {
+  for (cudaStream_t user : users) {
+    if (user == free_stream_) continue;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t status = cudaStreamIsCapturing(user, &capture);
+    if (status != cudaSuccess) cudaGetLastError();
+    // The legacy stream, asked while a blocking stream captures, is part of that capture.
+    if (status == cudaErrorStreamCaptureImplicit || capture != cudaStreamCaptureStatusNone) return true;
+  }
+  return false;
 }
 
 void DevicePool::freed() noexcept {

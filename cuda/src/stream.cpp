@@ -1,5 +1,6 @@
 #include "inferctx/stream.hpp"
 
+#include <atomic>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -48,6 +49,12 @@ void note_created(cudaStream_t handle) noexcept {
 }
 
 }  // namespace
+
+uint64_t this_thread_serial() noexcept {
+  static std::atomic<uint64_t> next{1};
+  thread_local const uint64_t serial = next.fetch_add(1, std::memory_order_relaxed);
+  return serial;
+}
 
 bool stream_was_destroyed(cudaStream_t stream) noexcept {
   std::lock_guard<std::mutex> lock(destroyed_mutex);

@@ -187,6 +187,72 @@ TEST_CASE("gpu: a use on an unknown stream, or on a stream that is not durable (
   CHECK(next->data() != nullptr);
 }
 
+TEST_CASE("gpu: a block let go while its durable stream captures a CUDA graph waits for a later synchronisation") {
+  // Nothing may be queued on a capturing stream but the graph's own work: no free (a free there
+  // must name a block the graph allocated) and no event (it would pull the pool's stream into
+  // the capture). The block stays counted until trim() synchronises the device.
+  auto pool = DevicePool::of(kDevice);
+  pool->trim(0);
+  cudaStream_t durable = new_stream();
+  pool->note_durable(durable);
+  const int n = 1 << 18;
+  int* other = nullptr;
+  check_cuda(cudaMalloc(&other, int64_t{n} * 4), "cudaMalloc", kDevice);
+  const int64_t before = pool->stats().allocations;
+  auto block = pool->allocate(int64_t{n} * 4, durable);
+  fill<<<(n + 255) / 256, 256, 0, durable>>>(static_cast<int*>(block->data()), n, 1);  // used eagerly
+  check_cuda(cudaStreamSynchronize(durable), "cudaStreamSynchronize", kDevice);
+  check_cuda(cudaStreamBeginCapture(durable, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture", kDevice);
+  fill<<<(n + 255) / 256, 256, 0, durable>>>(other, n, 3);  // the graph's work
+  block.reset();                                            // let go during the capture
+  cudaGraph_t graph = nullptr;
+  CHECK_EQ(static_cast<int>(cudaStreamEndCapture(durable, &graph)), static_cast<int>(cudaSuccess));
+  CHECK(graph != nullptr);
+  CHECK_EQ(pool->stats().allocations - before, int64_t{1});  // kept, and counted
+  cudaGraphExec_t exec = nullptr;
+  if (graph != nullptr) {
+    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate", kDevice);
+    check_cuda(cudaGraphLaunch(exec, durable), "cudaGraphLaunch", kDevice);
+    check_cuda(cudaStreamSynchronize(durable), "cudaStreamSynchronize", kDevice);
+    std::vector<int> host(n);
+    check_cuda(cudaMemcpy(host.data(), other, int64_t{n} * 4, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+    int wrong = 0;
+    for (int v : host) wrong += v != 3;
+    CHECK_EQ(wrong, 0);  // the captured work ran
+  }
+  pool->trim(0);  // a device synchronisation: the kept block is freed now
+  CHECK_EQ(pool->stats().allocations, before);
+  CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaFree(other);
+}
+
+TEST_CASE("gpu: each thread's per-thread default stream gets a GEMM workspace of its own") {
+  // cudaStreamPerThread is one handle for every thread's own stream: GEMMs of two threads on it
+  // run at once, so sharing a workspace by handle would mix their partial results.
+  CublasHandle handle(kDevice);
+  void* mine = nullptr;
+  void* theirs = nullptr;
+  {
+    WorkspaceUse use(handle, cudaStreamPerThread);
+    mine = handle.bound_workspace();
+  }
+  std::thread other([&] {
+    check_cuda(cudaSetDevice(kDevice), "cudaSetDevice", kDevice);
+    WorkspaceUse use(handle, cudaStreamPerThread);
+    theirs = handle.bound_workspace();
+  });
+  other.join();
+  CHECK(mine != nullptr && theirs != nullptr);
+  CHECK(mine != theirs);
+  {
+    WorkspaceUse use(handle, cudaStreamPerThread);
+    CHECK(handle.bound_workspace() == mine);  // kept for this thread
+  }
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
+}
+
 TEST_CASE("gpu: each stream's GEMMs get a workspace of their own; concurrent products are right") {
   CublasHandle handle(kDevice);
   const int n = 512;

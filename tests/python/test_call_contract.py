@@ -444,6 +444,87 @@ def test_stream_wait_on_a_bare_handle_of_a_capturing_stream_forks_the_capture(to
     assert torch.equal(y, start + 1)
 
 
+def test_deviceview_results_under_capture_are_refused_and_the_capture_goes_on(torch, ctx):
+    # DeviceView operands give DeviceView results from inferctx's pool, which takes no memory
+    # while the stream captures a CUDA graph (the block would belong to the graph, and letting
+    # a mask go there would synchronise the device, which ends the capture). Each call without
+    # its outputs is refused before anything is allocated or launched, naming the keyword; the
+    # same calls with out= made before the capture are captured and replay right.
+    n = 4096
+    x = inferctx._core._empty(0, (n,), "float32")
+    a = inferctx._core._empty(0, (64, 48), "float32")
+    b = inferctx._core._empty(0, (48, 32), "float32")
+    y = inferctx._core._empty(0, (n,), "float32")
+    bits = inferctx._core._empty(0, (n // 32,), "uint32")
+    c = inferctx._core._empty(0, (64, 32), "float32")
+    g_out = inferctx._core._empty(0, (n,), "float32")
+    tx, ta, tb = torch.from_dlpack(x), torch.from_dlpack(a), torch.from_dlpack(b)
+    tx.copy_(_ints(torch, (n,), 3, torch.float32))
+    ta.copy_(_ints(torch, (64, 48), 1, torch.float32))
+    tb.copy_(_ints(torch, (48, 32), 2, torch.float32))
+    inferctx.gemm(a, b, out=c)  # warm-up outside the capture: the stream's cuBLAS workspace
+    torch.cuda.synchronize()
+    allocations = ctx.memory_pool.allocations
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for call, argument, hint in (
+                (lambda: inferctx.dropout(x, 0.5), "out", "pass out= and mask_out= (or mask=None)"),
+                (lambda: inferctx.dropout(x, 0.5, out=y), "mask_out", "pass mask_out= (or mask=None)"),
+                (lambda: inferctx.dropout(x, 0.5, mask=None), "out", "pass out=, made"),
+                (lambda: inferctx.apply_mask(x, bits, 0.5), "out", "pass out=, made"),
+                (lambda: inferctx.gemm(a, b), "out", "pass out=, made"),
+                (lambda: inferctx.bmm(a.view("float32", (1, 64, 48)), b.view("float32", (1, 48, 32))), "out",
+                 "pass out=, made")):
+            with pytest.raises(ConfigError, match="takes no memory while the stream") as refused:
+                call()
+            assert refused.value.argument == argument
+            assert hint in str(refused.value)
+        inferctx.dropout(x, 0.5, out=y, mask_out=bits)
+        inferctx.apply_mask(x, bits, 0.5, out=g_out)
+        inferctx.gemm(a, b, out=c)
+    assert ctx.memory_pool.allocations == allocations  # nothing was allocated
+    ty, tc, tg = torch.from_dlpack(y), torch.from_dlpack(c), torch.from_dlpack(g_out)
+    for seed in range(4, 7):
+        tx.copy_(_ints(torch, (n,), seed, torch.float32))
+        ta.copy_(_ints(torch, (64, 48), seed, torch.float32))
+        g.replay()
+        assert torch.equal(tc, ta @ tb), seed  # small integers: exact
+        kept = ty != 0
+        assert torch.equal(ty[kept], tx[kept] * 2), seed  # p = 0.5: kept values doubled
+        assert torch.equal(tg, ty), seed  # the same mask applied to the same values
+
+
+HOST_CALLBACK_SCRIPT = """
+import threading
+import cupy
+import torch
+import inferctx
+
+ctx = inferctx.InferenceContext.instance(0)
+v = inferctx._core._empty(0, (1 << 20,), "float32")
+seen = cupy.asarray(v)  # a __cuda_array_interface__ export: a consumer inferctx cannot know
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of work queued before the callback
+ran = threading.Event()
+cupy.cuda.ExternalStream(side.cuda_stream).launch_host_func(lambda _: ran.set(), None)  # needs the GIL
+# The last view goes: its block waits for the whole device, the callback included, which runs
+# Python code. Waiting with the GIL held would never end.
+del seen, v
+assert ran.is_set()
+print("ok")
+"""
+
+
+def test_a_view_let_go_waits_for_the_device_without_the_gil(cupy):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", HOST_CALLBACK_SCRIPT], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], (run.stdout, run.stderr[-3000:])
+
+
 IMPORT_AFTER_WORK_SCRIPT = """
 import sys
 import types

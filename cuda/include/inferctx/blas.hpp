@@ -47,7 +47,8 @@ class CublasHandle {
   std::mutex& mutex() noexcept { return mutex_; }
   // Before work on `stream` (mutex held): binds the handle to `stream` with that stream's
   // workspace. Each stream has its own (as torch keeps one per stream), so work on two streams
-  // never shares one and no stream waits for another: the first stream takes the workspace made
+  // never shares one and no stream waits for another (cudaStreamPerThread counts as one stream
+  // per thread, which it names): the first stream takes the workspace made
   // with the handle, later ones a block of the device pool. At most kMaxStreamWorkspaces are kept;
   // beyond that the least recently used is given back (freed after that stream's work), except
   // the workspaces of streams that were being captured into a CUDA graph, which the graph's
@@ -70,6 +71,7 @@ class CublasHandle {
   std::mutex mutex_;
   struct StreamWorkspace {
     cudaStream_t stream;
+    uint64_t thread;  // for cudaStreamPerThread, which names each thread's own stream: whose
     void* ptr;
     std::shared_ptr<PooledAllocation> block;  // null for the handle's own workspace
     uint64_t last_use;

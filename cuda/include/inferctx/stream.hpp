@@ -3,6 +3,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 #include "inferctx/cuda_check.hpp"
 
 namespace inferctx {
@@ -23,6 +25,11 @@ bool stream_is_on_device(cudaStream_t stream, int device);
 // 4096 such handles; a stream created since at the same address is not). CUDA itself cannot be
 // asked about a destroyed handle.
 bool stream_was_destroyed(cudaStream_t stream) noexcept;
+
+// A number for the calling thread, never given to another (std::thread::id values are reused
+// once a thread ends): what cudaStreamPerThread names depends on it, so a block or workspace
+// noted on one thread's per-thread stream is not taken for another's.
+uint64_t this_thread_serial() noexcept;
 
 class Stream {
  public:
