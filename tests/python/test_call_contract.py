@@ -516,6 +516,59 @@ print("ok")
 """
 
 
+PER_THREAD_STREAM_SCRIPT = """
+import importlib, json, os, tempfile, threading
+import cupy
+import inferctx
+
+gm = importlib.import_module("inferctx.gemm")
+assert cupy.cuda.get_current_stream().ptr == 2  # CuPy's current stream: the per-thread default
+# inferctx's few-row kernel, chosen by a cache file: it adds its partial sums in the workspace.
+a0 = cupy.random.rand(8, 4096, dtype=cupy.float32)
+b = cupy.random.rand(4096, 4096, dtype=cupy.float32)
+inferctx.gemm(a0, b)
+entries = gm.gemm_cache_entries(tuned_only=False)
+assert len(entries) == 1
+entries[0].update(backend="gemv", algo=[])
+path = os.path.join(tempfile.mkdtemp(), "gemm.json")
+with open(path, "w") as f:
+    json.dump({"format": "inferctx-gemm-cache", "version": 1, "entries": entries}, f)
+gm.clear_gemm_cache()
+assert gm.load_gemm_cache(path) == 1
+a = [cupy.random.rand(8, 4096, dtype=cupy.float32) for _ in range(4)]
+alone = [inferctx.gemm(x, b) for x in a]  # one thread: the reference bits
+cupy.cuda.Device().synchronize()
+wrong = [0] * 4
+
+def work(i):
+    for _ in range(200):
+        c = inferctx.gemm(a[i], b)  # on this thread's per-thread default stream
+        wrong[i] += not bool(cupy.array_equal(c, alone[i]))
+
+threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert gm.gemm_cache_entries(tuned_only=False)[0]["backend"] == "gemv"
+assert wrong == [0, 0, 0, 0], wrong
+print("ok")
+"""
+
+
+def test_gemms_of_threads_on_the_per_thread_default_stream_keep_their_bits(cupy):
+    # CuPy's per-thread default stream is one handle for each thread's own stream: four threads'
+    # few-row products at once, each equal bit for bit to its result made alone.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUPY_CUDA_PER_THREAD_DEFAULT_STREAM": "1"}
+    run = subprocess.run([sys.executable, "-c", PER_THREAD_STREAM_SCRIPT], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], (run.stdout, run.stderr[-3000:])
+
+
 def test_a_view_let_go_waits_for_the_device_without_the_gil(cupy):
     import subprocess
     import sys
