@@ -71,7 +71,7 @@ class CublasHandle {
   std::mutex mutex_;
   struct StreamWorkspace {
     cudaStream_t stream;
-    uint64_t thread;  // for cudaStreamPerThread, which names each thread's own stream: whose
+    uint64_t thread;  // cudaStreamPerThread names each thread's own: the thread seen (this_thread_serial), else 0
     void* ptr;
     std::shared_ptr<PooledAllocation> block;  // null for the handle's own workspace
     uint64_t last_use;
