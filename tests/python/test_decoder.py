@@ -333,6 +333,39 @@ def test_replayed_steps_equal_eager_ones_bitwise(gpu, arch):
 
 
 @pytest.mark.gpu
+def test_prefill_and_step_results_are_read_right_after_on_the_callers_stream(gpu):
+    # prefill and step run on the decoder's own stream. A caller reads logits and out_ids on its
+    # current stream right after each call, as a user would, with no synchronize: once with the
+    # decoder's stream held back by a long sleep kernel (the read must wait for the step), once
+    # with the caller's own stream held back before its read (the next step must not overwrite
+    # logits before that read).
+    torch = gpu
+    sleep = 5_000_000  # a few ms at the GPU's clock: far longer than a step of this model
+    _, _, dec, prompt = _setup(torch, "llama", 2, "float16", new=6)
+    reference = dec.generate(prompt, return_logits=True)  # the caller's stream waits in generate
+    torch.cuda.synchronize()
+    rows, length = prompt.shape
+    seen = []
+    with torch.cuda.stream(dec._stream):
+        torch.cuda._sleep(sleep)
+    dec.prefill(prompt)
+    seen.append(dec.logits[:rows].clone())
+    for i in range(5):
+        if i % 2 == 0:
+            with torch.cuda.stream(dec._stream):
+                torch.cuda._sleep(sleep)  # the decoder's stream busy: the read waits for the step
+            dec.step()
+        else:
+            dec.step()
+            torch.cuda._sleep(4 * sleep)  # the caller's stream busy: the next step waits for the read
+        seen.append(dec.logits[:rows].clone())
+    tokens = dec.out_ids[:rows, length:length + 6].clone()
+    torch.cuda.synchronize()
+    assert torch.equal(torch.stack(seen), reference.logits)
+    assert torch.equal(tokens, reference.tokens)
+
+
+@pytest.mark.gpu
 def test_decoding_past_max_token_length_raises_and_writes_nothing(gpu):
     torch = gpu
     _, _, dec, prompt = _setup(torch, "llama", 2, "float16", new=8)

@@ -369,7 +369,19 @@ class ReferenceDecoder:
     def prefill(self, prompt: torch.Tensor) -> None:
         """Starts a sequence: runs the prompt [rows, L] (rows <= batch_size, L <= prompt_len) eagerly,
         fills the KV cache's first L positions and picks each sequence's next token. Rows below
-        batch_size are padded with the first row (their results are dropped)."""
+        batch_size are padded with the first row (their results are dropped). The work runs on the
+        decoder's own stream after the work queued so far on the caller's current stream, and the
+        caller's stream waits for it: ``logits`` and ``out_ids`` read there need no synchronize."""
+        self._prefill(prompt)
+        self._join_caller()
+
+    def _join_caller(self) -> None:
+        """The caller's current stream waits for the work queued on the decoder's."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def _prefill(self, prompt: torch.Tensor) -> None:
+        """prefill, the caller's stream not made to wait for it (generate does that once)."""
         if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype.is_floating_point:
             raise ConfigError(f"prompt: got {getattr(prompt, 'shape', type(prompt).__name__)}; it must be a "
                               f"2-D integer tensor [batch, length] of token ids", argument="prompt")
@@ -395,6 +407,8 @@ class ReferenceDecoder:
                 self._stream.wait_stream(caller)
             ids = self._prompt[:self.batch * n].view(self.batch, n)
             ids[:rows].copy_(prompt, non_blocking=True)
+            if self._stream is not None and prompt.device == self.device:
+                prompt.record_stream(self._stream)  # read here: not reused before the copy
             if rows < self.batch:
                 ids[rows:].copy_(ids[:1].expand(self.batch - rows, n))
             for _, v_full in self.kv:  # what attention reads past the sequence must be finite: zeros
@@ -410,13 +424,23 @@ class ReferenceDecoder:
         """One decode step of every sequence: feeds each its last token, writes K and V at the current
         position and picks the next token. TokenLimitError, before anything is queued, when the KV
         cache is full (ctx.max_token_length). With the graph, the first step runs eagerly and is
-        captured; later steps (of this and later generations) replay it."""
+        captured; later steps (of this and later generations) replay it. Ordered as prefill is:
+        after the caller's current stream, which then waits for the step."""
+        caller = torch.cuda.current_stream(self.device) if self._stream is not None else None
+        self._step(use_graph, caller)
+        self._join_caller()
+
+    def _step(self, use_graph: bool | None, caller: Any) -> None:
+        """step, after the work queued on `caller` (None: no wait, as within generate), the
+        caller's stream not made to wait for it."""
         self._check_state("step")
         if not self._prefilled:
             raise WorkspaceStateError("step: no sequence in the KV cache; call prefill(prompt) or generate()")
         graph = self.use_graph if use_graph is None else bool(use_graph) and self.backend.on_gpu
         self.ctx.advance_tokens(1)  # raises TokenLimitError at max_token_length: nothing is launched
         with self._on_stream():
+            if caller is not None and self._stream is not None:
+                self._stream.wait_stream(caller)  # the caller's reads of the last step come first
             if graph and self._graph is not None:
                 self._graph.replay()
             else:
@@ -457,14 +481,14 @@ class ReferenceDecoder:
 
         try:
             mark()
-            self.prefill(prompt)
+            self._prefill(prompt)
             mark()
             rows, length = self._rows, self._length
             if logits is not None:
                 with self._on_stream():
                     logits[0].copy_(self._logits()[:rows])
             for i in range(1, n):
-                self.step(graph)  # TokenLimitError past max_token_length
+                self._step(graph, None)  # TokenLimitError past max_token_length
                 mark()
                 if logits is not None:
                     with self._on_stream():
