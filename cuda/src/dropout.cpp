@@ -203,6 +203,13 @@ void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, d
 void dropout_forward(const void* x, void* y, void* mask, int64_t n, int dtype, double p, int mask_mode,
                      GraphRng& rng, cudaStream_t stream, int device, int max_blocks) {
   check_forward(x, y, mask, n, dtype, p, mask_mode);  // a refused call takes no offset or site
+  if (n > kGraphMaxElements) {  // the limit of a captured draw, checked before a site is taken
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t status = cudaStreamIsCapturing(stream, &capture);
+    if (status != cudaSuccess) cudaGetLastError();  // left to the draw, which reports it
+    if (status == cudaSuccess && capture != cudaStreamCaptureStatusNone)
+      invalid("n", "got " + std::to_string(n) + "; a call captured into a CUDA graph draws for at most 2^38 elements");
+  }
   forward_checked(x, y, mask, n, dtype, p, mask_mode, rng.draw(stream, 4), stream, device, max_blocks);
 }
 

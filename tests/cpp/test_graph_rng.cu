@@ -508,6 +508,27 @@ TEST_CASE("gpu: set_seed while the context's stream captures is refused and chan
   CHECK_EQ(after.epoch, before.epoch);
 }
 
+TEST_CASE("gpu: a captured call over the draw limit is refused before it takes a site") {
+  auto ctx = InferenceContext::instance(0);
+  OwnedStream st;
+  DeviceBuffer x(1024);  // never read: the call is refused before anything is queued
+  const GraphRngStats before = ctx->graph_rng().stats();
+  INFERCTX_CUDA(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeGlobal), 0);
+  try {
+    dropout_forward(x.ptr, x.ptr, nullptr, kGraphMaxElements + 1, F32, 0.5, 0, ctx->graph_rng(), st.s, 0);
+    CHECK(false);
+  } catch (const ConfigError& e) {
+    CHECK(e.argument == "n");
+  }
+  cudaGraph_t graph = nullptr;
+  INFERCTX_CUDA(cudaStreamEndCapture(st.s, &graph), 0);  // the capture is still valid
+  CHECK(graph != nullptr);
+  if (graph) cudaGraphDestroy(graph);
+  const GraphRngStats after = ctx->graph_rng().stats();
+  CHECK_EQ(after.sites, before.sites);
+  CHECK_EQ(after.live_sites, before.live_sites);
+}
+
 TEST_CASE("gpu: a destroyed graph gives its slot back; the next site on it starts at replay 0") {
   auto ctx = InferenceContext::instance(0);
   OwnedStream st;
