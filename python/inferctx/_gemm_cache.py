@@ -89,6 +89,10 @@ def _entry_from_json(j, path, index) -> dict:
     name = j.get("device_name")
     if not isinstance(name, str):
         fail(f"device_name is {name!r}; it must be a string")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape ("\ud800") is no text
+        fail(f"device_name is {name!r}; it must be text (UTF-8)")
     time_ms = j.get("time_ms", -1.0)
     if isinstance(time_ms, bool) or not isinstance(time_ms, (int, float)):
         fail(f"time_ms is {time_ms!r}; it must be a number")
@@ -119,6 +123,12 @@ def _read_cache_file(path) -> list:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"path: {path} is not JSON ({exc}); it should be a file written by "
                           f"save_gemm_cache", argument="path") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # Not UTF-8 text, an integer past Python's digit limit, arrays nested past its stack.
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"path: {path} is not a JSON file inferctx can read ({type(exc).__name__}: "
+                          f"{reason[:200]}); it should be a file written by save_gemm_cache",
+                          argument="path") from None
     if (not isinstance(document, dict) or document.get("format") != _FORMAT
             or not isinstance(document.get("entries"), list)):
         raise ConfigError(f"path: {path} is not an inferctx GEMM cache (no \"format\": "

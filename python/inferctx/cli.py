@@ -9,6 +9,7 @@ with status 0.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -114,8 +115,11 @@ def _parser() -> argparse.ArgumentParser:
 def _int(text: str | None, flag: str, *, minimum: int = 1, default: int | None = None) -> int | None:
     if text is None:
         return default
+    digits = text.strip().replace("_", "")
+    if len(digits) > 40 and digits.lstrip("+-").isdigit():  # past int64, and past Python's digit limit
+        raise _UsageError(f"{flag}: got {_brief(text)}; it must be below 2**63 = {1 << 63:,}")
     try:
-        value = int(text.strip().replace("_", ""), 10)
+        value = int(digits, 10)
     except ValueError:
         raise _UsageError(f"{flag}: got {_brief(text)}; it must be a whole number") from None
     if value < minimum:
@@ -374,10 +378,20 @@ def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], 
                  f"(policy {kw['policy']})")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
+    existed = os.path.exists(path)
     try:
         fig.savefig(path)
     except OSError as exc:  # what _check_plot could not foresee: a full disk, a file made meanwhile
         raise _UsageError(f"--plot: could not write {_brief(path)}: {exc.strerror or exc}") from None
+    except Exception as exc:  # a format whose writer needs a program not installed (.pgf: LaTeX)
+        if not existed:  # no half-written file left behind (one that was there stays)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        reason = _clip_words(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise _UsageError(f"--plot: matplotlib could not write {_brief(path)}: {reason}; choose another "
+                          f"extension, such as .png, .svg or .pdf") from None
     finally:
         plt.close(fig)
 
@@ -457,13 +471,22 @@ def _batch_holds_too_few(shape: ModelShape, kw: dict[str, Any]) -> NoReturn:
     at_need = {**kw, "max_out_tokens": need}
     most = max_out_tokens_for(shape, **{**_without(kw, "max_out_tokens"), "prompt_len": 1, "min_out_tokens": 1})
     smaller = max_batch_size(shape, **_without(at_need, "batch_size")) if batch > 1 else 0
-    if most == 0 and smaller == 0:
+    alone = 0  # where neither a smaller batch nor fewer tokens alone fits: what a batch of 1 holds
+    if most == 0 and smaller == 0 and batch > 1:
+        alone = max_out_tokens_for(shape, **{**_without(kw, "max_out_tokens"), "batch_size": 1, "prompt_len": 1,
+                                             "min_out_tokens": 1})
+    if most == 0 and smaller == 0 and alone == 0:
         _first_fit_prefixed("--most-tokens", shape, at_need)
     fit = (plan_workspace(shape, **{**kw, "max_out_tokens": most, "prompt_len": 1, "min_out_tokens": 1})
-           if most else plan_workspace(shape, **{**at_need, "batch_size": max(smaller, 1)}))
+           if most else plan_workspace(shape, **{**at_need, "batch_size": max(smaller, 1)}) if smaller
+           else plan_workspace(shape, **{**kw, "batch_size": 1, "max_out_tokens": alone, "prompt_len": 1,
+                                         "min_out_tokens": 1}))
     over = [(flag, kw[key]) for flag, key in _TOKEN_FLAGS if kw[key] > most]
     advice = [" and ".join(f"{flag} <= {most}" for flag, _ in over)] if most else []
     advice += [f"--batch <= {smaller}"] if smaller else []
+    if alone:
+        shorter = [flag for flag, key in _TOKEN_FLAGS if kw[key] > alone]
+        advice += ["--batch 1 with " + " and ".join(f"{flag} <= {alone}" for flag in shorter)]
     asked = " and ".join(f"{flag}={value}" for flag, value in over if value == need)
     raise WorkspaceOOMError(
         f"--most-tokens: a batch of {batch} cannot hold {asked} tokens: they need {_bytes_for(shape, kw, need)}, "
@@ -542,7 +565,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quiet_broken_pipe() -> None:
+def _silence_stdout() -> None:
     # Further writes (the interpreter's flush at exit) go nowhere instead of raising again.
     try:
         fd = sys.stdout.fileno()
@@ -553,23 +576,34 @@ def _quiet_broken_pipe() -> None:
     os.close(devnull)
 
 
+# What writing the output can fail with when stdout is a file: the disk or quota full, the file
+# too large, an I/O error, a closed descriptor.
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF})
+
+
+def _command(parser: argparse.ArgumentParser, argv: Sequence[str] | None, shape_names: set[str]) -> int:
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print("inferctx: error: give a command: plan, presets or demo (inferctx plan --help for its flags)",
+              file=sys.stderr)
+        return 2
+    if args.command == "demo":
+        return run_demo(args)
+    if args.command == "plan":
+        shape_names.update(_given_shape_names(args))
+        return _cmd_plan(args)
+    return _cmd_presets(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `inferctx` console script; returns the exit code."""
     parser = _parser()
     shape_names: set[str] = set()
     try:
-        args = parser.parse_args(argv)
-        if args.command is None:
-            parser.print_usage(sys.stderr)
-            print("inferctx: error: give a command: plan, presets or demo (inferctx plan --help for its flags)",
-                  file=sys.stderr)
-            return 2
-        if args.command == "demo":
-            return run_demo(args)
-        if args.command == "plan":
-            shape_names = _given_shape_names(args)
-            return _cmd_plan(args)
-        return _cmd_presets(args)
+        code = _command(parser, argv, shape_names)
+        sys.stdout.flush()  # a failed write shows here, where it is handled, not at the exit's flush
+        return code
     except _UsageError as exc:
         print(f"inferctx: error: {exc}", file=sys.stderr)
         return 2
@@ -587,5 +621,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"inferctx: {type(exc).__name__}: {_clip_words(str(exc))}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        _quiet_broken_pipe()
+        _silence_stdout()
         return 0
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRNOS or exc.filename is not None:
+            raise
+        _silence_stdout()  # what is left unwritten goes nowhere, and the exit's flush stays quiet
+        print(f"inferctx: could not write the output: {exc.strerror or exc}", file=sys.stderr)
+        return 2

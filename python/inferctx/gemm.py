@@ -210,10 +210,20 @@ def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
     entries = gemm_cache_entries()
     if merge and os.path.exists(path):
         mine = {_identity(e) for e in entries}
-        entries += [e for e in _read_cache_file(path) if _identity(e) not in mine]
+        kept = _read_cache_file(path)
+        for i, e in enumerate(kept):  # written back as they are: each must be an entry load takes
+            try:
+                _entry_from_json(e, path, i)
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}; merge=True keeps the file's entries: mend or remove the file, or "
+                                  f"pass merge=False to replace it", argument="path") from None
+        entries += [e for e in kept if _identity(e) not in mine]
     document = {"format": _FORMAT, "version": _VERSION, "entries": entries}
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gemm-cache-", suffix=".json", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".gemm-cache-", suffix=".json", dir=directory)
+    except OSError as exc:  # named by the user's path, not by the temporary file's
+        raise type(exc)(exc.errno, exc.strerror, path) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(document, f, indent=1)

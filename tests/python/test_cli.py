@@ -160,6 +160,23 @@ def test_plan_miss_on_min_tokens_names_the_most_that_fit(capsys):
     assert code == 2 and err.endswith("would fit: --prompt-len <= 1046 and --min-tokens <= 1046\n")
 
 
+def test_most_tokens_when_neither_a_smaller_batch_nor_a_shorter_prompt_alone_fits(capsys):
+    # At 1 GiB free (budget 924 MiB) a batch of 2000 holds no token (2000 x 606,208 B is more), and
+    # no batch holds 1500 tokens (a batch of 1 holds 1393): only both together fit.
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--batch", "2000",
+                         "--prompt-len", "1500", "--most-tokens")
+    assert llama2_7b_bytes(2000, 1) > 924 * MIB and llama2_7b_bytes(1, 1500) > 924 * MIB
+    assert llama2_7b_bytes(1, 1393) <= 924 * MIB < llama2_7b_bytes(1, 1394)
+    assert llama2_7b_bytes(2000, 1500) == 2_106_624_000_000  # 1.92 TiB
+    assert code == 2 and out == ""
+    assert err == ("inferctx: WorkspaceOOMError: --most-tokens: a batch of 2000 cannot hold --prompt-len=1500 tokens: "
+                   "they need 1.92 TiB, and a budget of 924.00 MiB (free 1.00 GiB - reserve 100.00 MiB) holds none; "
+                   "would fit: --batch 1 with --prompt-len <= 1393\n")
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--batch", "1",
+                       "--prompt-len", "1393", "--most-tokens")
+    assert code == 0 and "most tokens a batch of 1 holds: 1393" in out
+
+
 def test_most_tokens_miss_names_prompt_len_and_what_fits(capsys):
     code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--prompt-len", "5000",
                          "--most-tokens")
@@ -305,6 +322,54 @@ def test_plot_write_failure_is_one_line(capsys, tmp_path, fake_matplotlib, monke
                          "--json", "--plot", "curve.png")
     assert code == 2 and len(json.loads(out)) == 2  # the sweep was printed before the plot was drawn
     assert err == "inferctx: error: --plot: could not write 'curve.png': No space left on device\n"
+
+
+def test_plot_writer_failure_other_than_the_disk_is_one_line_and_keeps_a_file_there(capsys, tmp_path,
+                                                                                     fake_matplotlib, monkeypatch):
+    # matplotlib's .pgf writer needs LaTeX and raises RuntimeError without it; any such failure
+    # of the writer is a one-line error naming --plot, and a file that was there is left alone.
+    def no_latex(self, path):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise RuntimeError("'xelatex' not found; install it or change rcParams['pgf.texsystem']\nmore")
+
+    monkeypatch.setattr(fake_matplotlib, "savefig", no_latex)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                         "--json", "--plot", "curve.png")
+    assert code == 2 and len(json.loads(out)) == 2  # the sweep was printed before the plot was drawn
+    assert err == ("inferctx: error: --plot: matplotlib could not write 'curve.png': 'xelatex' not found; install "
+                   "it or change rcParams['pgf.texsystem']; choose another extension, such as .png, .svg or .pdf\n")
+    assert not (tmp_path / "curve.png").exists()  # the half-written file made by the failed call is gone
+    (tmp_path / "old.png").write_bytes(b"an earlier plot")
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                       "--plot", "old.png")
+    assert code == 2 and err.startswith("inferctx: error: --plot: matplotlib could not write 'old.png'")
+    assert (tmp_path / "old.png").exists()  # a file that was there before is not removed
+
+
+def test_a_full_disk_on_stdout_is_one_line(tmp_path):
+    # `inferctx presets > out.txt` on a full disk: one line on stderr, exit 2, no traceback, and
+    # nothing more at the interpreter's exit.
+    import os
+    import subprocess
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for argv in (["presets"], ["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "40"]):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, "-m", "inferctx", *argv], stdout=full, stderr=subprocess.PIPE,
+                                  text=True, env=env, timeout=120)
+        assert done.returncode == 2 and done.stderr == (
+            "inferctx: could not write the output: No space left on device\n"), (argv, done.stderr)
+
+
+def test_a_number_past_pythons_digit_limit_is_said_to_be_too_large(capsys):
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "9" * 5000)
+    assert code == 2 and out == ""
+    assert err.startswith("inferctx: error: --batch: got '999") and err.endswith(
+        "; it must be below 2**63 = 9,223,372,036,854,775,808\n")
 
 
 def test_plot_without_matplotlib(capsys, tmp_path, monkeypatch):

@@ -349,6 +349,41 @@ def test_malformed_cache_files(tuner, tmp_path, content, words):
         assert word in str(info.value)
 
 
+@pytest.mark.parametrize("content, words", [
+    (b'{"format": "inferctx-gemm-cache", "version": 1, "entries": [], "note": "\xff"}', ["UnicodeDecodeError"]),
+    (b'{"format": "inferctx-gemm-cache", "version": 1, "entries": [' + b"9" * 5000 + b"]}", ["ValueError"]),
+    (b"[" * 100_000 + b"]" * 100_000, ["RecursionError"]),
+])
+def test_cache_files_python_cannot_read_are_config_errors(tuner, tmp_path, content, words):
+    # Not UTF-8, an integer past Python's digit limit, arrays nested past its stack: each a
+    # ConfigError naming the file, not the bare Python error.
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        gm.load_gemm_cache(path)
+    assert info.value.argument == "path" and str(path) in str(info.value)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_save_with_merge_checks_the_entries_it_keeps(tuner, tmp_path):
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    good = gm.gemm_cache_entries()[0]
+    for bad in ([1, 2], [{"hello": "world"}], [dict(good, align=[[1]])], [dict(good, device_name="\ud800")]):
+        path = tmp_path / "kept.json"
+        text = json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": bad})
+        path.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            gm.save_gemm_cache(path)
+        assert info.value.argument == "path" and "entry 0" in str(info.value) and "merge=False" in str(info.value)
+        assert path.read_text() == text  # left as it was
+        assert gm.save_gemm_cache(path, merge=False) == 1  # replaced on request
+        assert gm.load_gemm_cache(path) == 1
+    with pytest.raises(FileNotFoundError) as missing:
+        gm.save_gemm_cache(tmp_path / "no-such-folder" / "gemm.json")
+    assert missing.value.filename == str(tmp_path / "no-such-folder" / "gemm.json")  # the user's path
+
+
 def test_malformed_entries(tuner, tmp_path):
     gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
     good = gm.gemm_cache_entries()[0]
@@ -360,7 +395,8 @@ def test_malformed_entries(tuner, tmp_path):
                                # past what the compiled entry holds: no OverflowError
                                ("align", [256, 256, 99_999_999_999], "align"), ("m", 2**70, "m is"),
                                ("lda", 2**63, "lda is"), ("cublas_version", 2**64, "cublas_version is"),
-                               ("device", 2**40, "device is"), ("time_ms", 10**400, "time_ms is")]:
+                               ("device", 2**40, "device is"), ("time_ms", 10**400, "time_ms is"),
+                               ("device_name", "\ud800", "must be text")]:  # a lone surrogate
         path = tmp_path / "bad.json"
         path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1,
                                     "entries": [dict(good, **{field: value})]}))
