@@ -155,8 +155,9 @@ GemmLayout gemm_layout(int ndim, bool trans_a, bool trans_b, const GemmOperand& 
                     (trans_b ? " (trans_b)" : "") + " do not multiply: op(a) has " + str(k) +
                     " columns but op(b) has " + str(kb) + " rows");
   }
-  const int64_t batch = sa.batch >= sb.batch ? sa.batch : sb.batch;
-  if ((sa.batch != batch && sa.batch != 1) || (sb.batch != batch && sb.batch != 1)) {
+  // A batch of 1 is broadcast against the other, whatever its size (0 included, as NumPy and torch do).
+  const int64_t batch = sa.batch == 1 ? sb.batch : sa.batch;
+  if (sa.batch != sb.batch && sa.batch != 1 && sb.batch != 1) {
     refuse("b", shaped("a", a) + " and " + shaped("b", b) + " have batch sizes " + str(sa.batch) + " and " +
                     str(sb.batch) + "; they must be equal (or one of them 1, to broadcast)");
   }

@@ -89,6 +89,13 @@ def test_bmm_layouts():
     # A batch stride of 0 in a (a broadcast view) reads one matrix for every b.
     got = layout(3, ((3, 4, 5), (0, 5, 1)), ((3, 5, 2), (10, 2, 1)))
     assert fields(got) == (4, 2, 5, 5, 2, 2, 3, 0, 10, 8, F, F, F)
+    # A batch of 1 broadcast against an empty batch gives an empty batch, either way round.
+    got = layout(3, ((1, 4, 8), (32, 8, 1)), ((0, 8, 16), (128, 16, 1)))
+    assert got["batch"] == 0 and got["out_shape"] == (0, 4, 16)
+    got = layout(3, ((0, 4, 8), (32, 8, 1)), ((1, 8, 16), (128, 16, 1)))
+    assert got["batch"] == 0 and got["out_shape"] == (0, 4, 16)
+    with pytest.raises(ConfigError, match="have batch sizes 2 and 3; they must be equal"):
+        layout(3, ((2, 4, 8), (32, 8, 1)), ((3, 8, 16), (128, 16, 1)))
 
 
 def test_contiguous_call_is_the_autotuned_problem():
