@@ -138,11 +138,15 @@ def test_max_batch_miss_names_max_tokens_and_the_largest_that_fits(capsys):
     assert "--min-tokens" not in err and err.count("\n") == 1
 
 
+def _llama_at_1_gib(capsys, *flags):
+    """`inferctx plan` of llama-2-7b with 1 GiB free (a budget of 924 MiB), and `flags`."""
+    return run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", *flags)
+
+
 def test_most_tokens_when_neither_a_smaller_batch_nor_a_shorter_prompt_alone_fits(capsys):
     # At 1 GiB free (budget 924 MiB) a batch of 2000 holds no token (2000 x 606,208 B is more), and
     # no batch holds 1500 tokens (a batch of 1 holds 1393): only both together fit.
-    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--batch", "2000",
-                         "--prompt-len", "1500", "--most-tokens")
+    code, out, err = _llama_at_1_gib(capsys, "--batch", "2000", "--prompt-len", "1500", "--most-tokens")
     assert llama2_7b_bytes(2000, 1) > 924 * MIB and llama2_7b_bytes(1, 1500) > 924 * MIB
     assert llama2_7b_bytes(1, 1393) <= 924 * MIB < llama2_7b_bytes(1, 1394)
     assert llama2_7b_bytes(2000, 1500) == 2_106_624_000_000  # 1.92 TiB
@@ -150,8 +154,7 @@ def test_most_tokens_when_neither_a_smaller_batch_nor_a_shorter_prompt_alone_fit
     assert err == ("inferctx: WorkspaceOOMError: --most-tokens: a batch of 2000 cannot hold --prompt-len=1500 tokens: "
                    "they need 1.92 TiB, and a budget of 924.00 MiB (free 1.00 GiB - reserve 100.00 MiB) holds none; "
                    "would fit: --batch 1 with --prompt-len <= 1393\n")
-    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--batch", "1",
-                       "--prompt-len", "1393", "--most-tokens")
+    code, out, _ = _llama_at_1_gib(capsys, "--batch", "1", "--prompt-len", "1393", "--most-tokens")
     assert code == 0 and "most tokens a batch of 1 holds: 1393" in out
 
 
