@@ -45,7 +45,11 @@ class InferenceContext(_core.InferenceContext):
         and the exact policy's bytes are whole multiples of ``allocation_granularity``. Under the
         cudaMalloc fallback, memory the workspace holds counts as free when no view of it is
         alive, and a larger plan gets a new allocation (made before the old is freed). On any
-        failure the previous plan stays in force with its workspace. Logs the plan (logger
+        failure the previous plan stays in force with its workspace, except under the fallback
+        when the new allocation fails beside the old one and no view of the old one is alive:
+        the old one is then freed to try, and allocated again at its size (contents lost) if
+        the new one still fails, or left to ``retake_workspace`` when that fails too; the error
+        says which. Logs the plan (logger
         "inferctx", INFO, rank 0 only) when it changes.
 
         Returns

@@ -1,8 +1,9 @@
 """GEMM with NumPy / PyTorch row-major semantics on a context's cuBLAS handle and stream.
 
 ``gemm(a, b)`` computes ``alpha * op(a) @ op(b) + beta * out`` and ``bmm`` its strided batch,
-through cuBLASLt with fp32 accumulation; ``autotune_gemm`` times cuBLASLt's candidate
-algorithms for given shapes and caches the fastest correct one per problem, and
+with fp32 accumulation, through ``cublasGemmEx`` untuned (torch's call, with torch's bits);
+``autotune_gemm`` times cuBLASLt's candidate algorithms (and, for 1 to 8 rows, inferctx's own
+few-row kernel) against it for given shapes and caches the fastest correct one per problem, and
 ``save_gemm_cache`` / ``load_gemm_cache`` keep those choices in a JSON file.
 
 Operands are any CUDA arrays that export DLPack or ``__cuda_array_interface__`` (torch, CuPy,
@@ -52,12 +53,13 @@ repeats) -> dict``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import numbers
 import os
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 from . import _core
 from ._gemm_cache import (_BACKENDS, _FORMAT, _VERSION, _entry_from_json, _entry_to_json,
@@ -160,7 +162,8 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
         ctx = _context_of_current_device()
     device = _context_device(ctx)
     if cache_file is not None and os.path.exists(cache_file):
-        load_gemm_cache(cache_file)
+        with _as_cache_file_error():
+            load_gemm_cache(cache_file)
     known = {} if flags["force"] else _tuned_problems(device)
 
     results = []
@@ -196,8 +199,24 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
     finally:
         bar.close()
     if cache_file is not None:
-        save_gemm_cache(cache_file)
+        with _as_cache_file_error():
+            save_gemm_cache(cache_file)
     return results
+
+
+@contextlib.contextmanager
+def _as_cache_file_error() -> Iterator[None]:
+    """autotune_gemm's own keyword in the errors of the cache file it was given: ``cache_file``."""
+    try:
+        yield
+    except ConfigError as exc:
+        if exc.argument != "path":
+            raise
+        message = str(exc)
+        message = message[len("path: "):] if message.startswith("path: ") else message
+        message = message.replace("; merge=True keeps the file's entries: mend or remove the file, or pass "
+                                  "merge=False to replace it", "; mend or remove the file")
+        raise ConfigError(f"cache_file: {message}", argument="cache_file") from None
 
 
 def save_gemm_cache(path: Any, *, merge: bool = True) -> int:

@@ -138,12 +138,16 @@ def test_max_batch_miss_names_max_tokens_and_the_largest_that_fits(capsys):
     assert "--min-tokens" not in err and err.count("\n") == 1
 
 
+def _llama_at_1_gib(capsys, *flags):
+    """`inferctx plan` of llama-2-7b with 1 GiB free (a budget of 924 MiB), and `flags`."""
+    return run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", *flags)
+
+
 def test_plan_miss_on_min_tokens_names_the_most_that_fit(capsys):
     # --max-tokens 5000 sizes the scores for 5000 tokens, so t tokens take t x 606,208 B plus
     # 64 x 5000 x t = 320,000 t B: 1046 tokens take 968,813,568 B, within the 924 MiB budget of
     # 968,884,224 B; 1047 take 969,739,776 B. 5000 tokens need 4,631,040,000 B = 4.31 GiB.
-    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--max-tokens", "5000",
-                         "--min-tokens", "5000")
+    code, out, err = _llama_at_1_gib(capsys, "--max-tokens", "5000", "--min-tokens", "5000")
     assert 1046 * 606_208 + 320_000 * 1046 == 968_813_568 <= 924 * MIB < 1047 * 926_208
     assert llama2_7b_bytes(1, 5000) == 4_631_040_000
     assert code == 2 and out == ""
@@ -151,20 +155,17 @@ def test_plan_miss_on_min_tokens_names_the_most_that_fit(capsys):
                    "--min-tokens=5000; needs 4.31 GiB for 5000 tokens, free 1.00 GiB of 1.00 GiB, budget 924.00 MiB "
                    "(reserve); would fit: --min-tokens <= 1046\n")
     # The answer fits, bound by memory at the same 1046 tokens.
-    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--max-tokens", "5000",
-                       "--min-tokens", "1046")
+    code, out, _ = _llama_at_1_gib(capsys, "--max-tokens", "5000", "--min-tokens", "1046")
     assert code == 0 and "max tokens 1046  (bound by memory" in out
     # A prompt over the most that fit is named with it.
-    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--max-tokens", "5000",
-                       "--prompt-len", "3000", "--min-tokens", "5000")
+    code, _, err = _llama_at_1_gib(capsys, "--max-tokens", "5000", "--prompt-len", "3000", "--min-tokens", "5000")
     assert code == 2 and err.endswith("would fit: --prompt-len <= 1046 and --min-tokens <= 1046\n")
 
 
 def test_most_tokens_when_neither_a_smaller_batch_nor_a_shorter_prompt_alone_fits(capsys):
     # At 1 GiB free (budget 924 MiB) a batch of 2000 holds no token (2000 x 606,208 B is more), and
     # no batch holds 1500 tokens (a batch of 1 holds 1393): only both together fit.
-    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--batch", "2000",
-                         "--prompt-len", "1500", "--most-tokens")
+    code, out, err = _llama_at_1_gib(capsys, "--batch", "2000", "--prompt-len", "1500", "--most-tokens")
     assert llama2_7b_bytes(2000, 1) > 924 * MIB and llama2_7b_bytes(1, 1500) > 924 * MIB
     assert llama2_7b_bytes(1, 1393) <= 924 * MIB < llama2_7b_bytes(1, 1394)
     assert llama2_7b_bytes(2000, 1500) == 2_106_624_000_000  # 1.92 TiB
@@ -172,8 +173,7 @@ def test_most_tokens_when_neither_a_smaller_batch_nor_a_shorter_prompt_alone_fit
     assert err == ("inferctx: WorkspaceOOMError: --most-tokens: a batch of 2000 cannot hold --prompt-len=1500 tokens: "
                    "they need 1.92 TiB, and a budget of 924.00 MiB (free 1.00 GiB - reserve 100.00 MiB) holds none; "
                    "would fit: --batch 1 with --prompt-len <= 1393\n")
-    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "1", "--batch", "1",
-                       "--prompt-len", "1393", "--most-tokens")
+    code, out, _ = _llama_at_1_gib(capsys, "--batch", "1", "--prompt-len", "1393", "--most-tokens")
     assert code == 0 and "most tokens a batch of 1 holds: 1393" in out
 
 

@@ -373,6 +373,17 @@ def test_cache_files_python_cannot_read_are_config_errors(tuner, tmp_path, conte
         assert word in str(info.value)
 
 
+def test_autotune_names_its_cache_file_keyword_in_the_files_errors(tuner, tmp_path):
+    # autotune_gemm has no `path`: a bad file it was given is its `cache_file`.
+    path = tmp_path / "bad.json"
+    path.write_text('{"format": "something else", "entries": []}')
+    with pytest.raises(ConfigError) as info:
+        gm.autotune_gemm([(8, 16, 32)], "float16", progress=False, cache_file=path)
+    assert info.value.argument == "cache_file"
+    assert str(info.value).startswith(f"cache_file: {path} is not an inferctx GEMM cache")
+    assert path.read_text() == '{"format": "something else", "entries": []}'  # nothing tuned or written
+
+
 def test_save_with_merge_checks_the_entries_it_keeps(tuner, tmp_path):
     gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
     good = gm.gemm_cache_entries()[0]
