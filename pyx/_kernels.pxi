@@ -173,8 +173,10 @@ cdef tuple _dropout_on(_Call call, object x, double prob, object out, int mode, 
     cdef uintptr_t y_ptr = 0
     cdef uintptr_t mask_ptr = 0
     cdef CudaArray mk
+    cdef CudaArray written = None  # out's import, kept until the kernel is queued (its owner holds the memory)
     if out is not None:
-        y_ptr = _out_arg(call, out, a, "x").ptr
+        written = _out_arg(call, out, a, "x")
+        y_ptr = written.ptr
     if mask_out is not None:
         mk = call.array(mask_out, "mask_out")
         _mask_arg(mk, "mask_out", mode, a, "x")
@@ -280,12 +282,14 @@ cdef object _apply_mask_on(_Call call, object grad, object mask, double prob, ob
     cdef CudaArray mk = call.array(mask, "mask")
     cdef int mode = _mask_arg(mk, "mask", 0, g, "grad")
     cdef uintptr_t out_ptr
+    cdef CudaArray written = None  # out's import, kept until the kernel is queued (its owner holds the memory)
     if out is None:
         result = call.result(g._dtype, g.shape,
                              grad if call._like is grad and call.package == PKG_TORCH else None, "out")
         out_ptr = _result_ptr(result)
     else:
-        out_ptr = _out_arg(call, out, g, "grad").ptr
+        written = _out_arg(call, out, g, "grad")
+        out_ptr = written.ptr
         result = out
     cdef const void* gp = <const void*>g.ptr
     cdef const void* mp = <const void*>mk.ptr

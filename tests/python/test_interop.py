@@ -182,6 +182,59 @@ def test_cuda_array_interface_only_objects(ctx):
         _core._as_cuda_array(host_only, "x")
 
 
+class TorchMemoryProducer:
+    """A DLPack producer (ctypes) over a torch tensor's memory, as a library exports its own
+    arrays; its deleter records what had been written through the pointer when it ran."""
+
+    def __init__(self, torch, tensor):
+        self.tensor = tensor
+        self.shape = (ctypes.c_int64 * 1)(tensor.numel())
+        self.seen_at_release = []
+
+        def deleter(_):
+            torch.cuda.synchronize()  # the work queued by then, done
+            self.seen_at_release.append(tensor.clone())
+
+        self.deleter = CtypesProducer._deleter_type(deleter)
+        self.managed = dlpack.DLManagedTensor()
+        t = self.managed.dl_tensor
+        t.data, t.byte_offset, t.ndim = tensor.data_ptr(), 0, 1
+        t.device.device_type, t.device.device_id = 2, tensor.device.index
+        t.dtype.code, t.dtype.bits, t.dtype.lanes = 2, 32, 1  # float32
+        t.shape, t.strides = self.shape, None
+        self.managed.deleter = ctypes.cast(self.deleter, ctypes.c_void_p).value
+
+    def __dlpack_device__(self):
+        return (2, self.tensor.device.index)
+
+    def __dlpack__(self, stream=None, max_version=None):
+        self.capsule = CtypesProducer._capsule_new(ctypes.addressof(self.managed), b"dltensor", None)
+        return self.capsule
+
+
+@pytest.mark.gpu
+def test_an_out_given_through_dlpack_is_held_until_its_kernel_is_queued(torch):
+    # The deleter says the consumer is done with the memory: a producer may free it then. So it
+    # must come after dropout's and apply_mask's kernels are queued on the out= pointer, not when
+    # the pointer has been read.
+    import inferctx
+
+    n = 4096
+    x = torch.full((n,), 3.0, device="cuda")
+    bits = torch.empty(n // 32, dtype=torch.int32, device="cuda")
+    for call in (lambda out: inferctx.dropout(x, 0.5, out=out, mask_out=bits),
+                 lambda out: inferctx.apply_mask(x, bits, 0.5, out=out)):
+        y = torch.full((n,), float("nan"), device="cuda")  # nothing written yet
+        producer = TorchMemoryProducer(torch, y)
+        torch.cuda.synchronize()
+        call(producer)
+        gc.collect()
+        assert len(producer.seen_at_release) == 1
+        seen = producer.seen_at_release[0]
+        assert not torch.isnan(seen).any()  # written by the kernel before the memory was let go
+        assert bool(((seen == 0) | (seen == 6.0)).all())  # dropped, or 3 / (1 - 0.5)
+
+
 # -- PyTorch ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
