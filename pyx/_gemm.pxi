@@ -125,8 +125,8 @@ def gemm(a, b, *, out=None, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c
         ``a`` is (m, k), or (k, m) with ``trans_a``; ``b`` is (k, n), or (n, k) with ``trans_b``.
         Either may be a transposed view (unit stride along its first dimension).
     out
-        (m, n) array of the same dtype to write into (row- or column-major); a new
-        DeviceView when None.
+        (m, n) array of the same dtype to write into (row- or column-major); when None, a new
+        result in the operands' package (see Returns).
     trans_a, trans_b
         Use the transpose of ``a`` / ``b``.
     alpha, beta
