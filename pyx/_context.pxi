@@ -228,11 +228,23 @@ cdef class InferenceContext:
                                        f"call gen_workspace(...) first")
         return 0
 
-    cdef DeviceView _region(self, int64_t offset, int64_t nbytes, int dtype, str what):
-        self._require_plan(what)
+    cdef DeviceView _region(self, int region, str what):
+        """Region 0 (the whole workspace, bytes), 1 (activations) or 2 (attention scores) as a
+        1-D view. The layout and the allocation are read under the lock gen_workspace holds from
+        its plan to the layout, so they are of one plan."""
         cdef shared_ptr[DeviceAllocation] ws
-        with nogil:  # waits for mutex_, which a release holds while it copies and unmaps
-            ws = self._c.workspace()
+        cdef int64_t offset, nbytes
+        cdef int dtype
+        with self._workspace_lock:
+            self._require_plan(what)
+            if region == 0:
+                offset, nbytes, dtype = 0, self._workspace_bytes, DT_UINT8
+            elif region == 1:
+                offset, nbytes, dtype = self._activations_offset, self._activations_bytes, self._dtype
+            else:
+                offset, nbytes, dtype = self._scores_offset, self._scores_bytes, self._dtype
+            with nogil:  # waits for mutex_, which a release holds while it copies and unmaps
+                ws = self._c.workspace()
         cdef int64_t n = nbytes // _DTYPE_ITEMSIZE[dtype]
         return _make_view(ws, offset, (n,), n, dtype, self)
 
@@ -245,7 +257,7 @@ cdef class InferenceContext:
     @property
     def workspace(self):
         """The whole workspace as a 1-D uint8 DeviceView of ``workspace_bytes``."""
-        return self._region(0, self._workspace_bytes, DT_UINT8, "workspace")
+        return self._region(0, "workspace")
 
     @property
     def workspace_bytes(self):
@@ -255,35 +267,36 @@ cdef class InferenceContext:
     @property
     def activations(self):
         """The activations region as a 1-D DeviceView in the plan's dtype."""
-        return self._region(self._activations_offset, self._activations_bytes, self._dtype,
-                            "activations")
+        return self._region(1, "activations")
 
     @property
     def attention_scores(self):
         """The attention-scores region (DeepSpeed's unfused attention workspace), 1-D, in the
         plan's dtype."""
-        return self._region(self._scores_offset, self._scores_bytes, self._dtype,
-                            "attention_scores")
+        return self._region(2, "attention_scores")
 
     def kv_cache(self, layer):
         """(K, V) of ``layer``: 4-D DeviceViews [batch, kv_heads/mp, max_tokens, head_dim_padded]
         in the plan's dtype."""
         cdef int64_t l = _int_arg(layer, "layer")
-        self._require_plan("kv_cache")
-        if self._external_cache:
-            raise _WorkspaceStateError(
-                "kv_cache: the plan in force has external_cache=True, so the workspace holds no "
-                "KV cache; plan with external_cache=False to have one")
-        if l < 0 or l >= self._num_layers:
-            raise _ConfigError(f"layer: got {l}; valid: 0..{self._num_layers - 1} (the plan's "
-                               f"num_layers is {self._num_layers})", argument="layer")
         cdef shared_ptr[DeviceAllocation] ws
-        with nogil:
-            ws = self._c.workspace()
-        cdef int64_t key = self._kv_offset + l * self._kv_layer_stride
-        return (_make_view(ws, key, self._kv_shape, self._kv_size, self._dtype, self),
-                _make_view(ws, key + self._kv_value_offset, self._kv_shape, self._kv_size,
-                           self._dtype, self))
+        cdef int64_t key, value_offset, size
+        cdef int dtype
+        with self._workspace_lock:  # the layout and the allocation of one plan (see _region)
+            self._require_plan("kv_cache")
+            if self._external_cache:
+                raise _WorkspaceStateError(
+                    "kv_cache: the plan in force has external_cache=True, so the workspace holds no "
+                    "KV cache; plan with external_cache=False to have one")
+            if l < 0 or l >= self._num_layers:
+                raise _ConfigError(f"layer: got {l}; valid: 0..{self._num_layers - 1} (the plan's "
+                                   f"num_layers is {self._num_layers})", argument="layer")
+            with nogil:
+                ws = self._c.workspace()
+            key = self._kv_offset + l * self._kv_layer_stride
+            value_offset, shape, size, dtype = self._kv_value_offset, self._kv_shape, self._kv_size, self._dtype
+        return (_make_view(ws, key, shape, size, dtype, self),
+                _make_view(ws, key + value_offset, shape, size, dtype, self))
 
     @property
     def max_token_length(self):

@@ -96,6 +96,13 @@ bool InferenceContext::retake_workspace() {
 void InferenceContext::retake_locked(const char* where) {
   if (!released_) return;
   CurrentDeviceScope on(device_);
+  {
+    // A lost CUDA context (a sticky error) is reported here as by every other call: the
+    // driver's mapping calls a retake makes may still succeed in one.
+    const cudaError_t status = cudaStreamQuery(own_stream_.handle());
+    if (status != cudaSuccess && status != cudaErrorNotReady) check_cuda(status, "cudaStreamQuery", device_);
+    if (status == cudaErrorNotReady) cudaGetLastError();
+  }
   const void* restore = contents_kept_ ? host_copy_->data() : nullptr;
   int64_t bytes = plan_.workspace_bytes;
   bool ok = false;

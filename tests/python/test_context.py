@@ -147,6 +147,44 @@ def test_gen_workspace_that_cannot_fit_keeps_the_previous_plan(ctx):
 
 
 @pytest.mark.gpu
+def test_view_accessors_wait_for_a_gen_workspace_between_its_plan_and_its_layout(ctx, monkeypatch):
+    # gen_workspace puts the new plan and allocation in force, then its layout for the views. A
+    # view asked for in between must not pair the old layout with the new allocation: the
+    # accessors wait. The window is widened here by a slow step between the two halves.
+    from inferctx.planning import WorkspacePlan
+
+    inside, go_on = threading.Event(), threading.Event()
+    original = WorkspacePlan._from_result.__func__
+
+    def slow_from_result(cls, *args, **kwargs):
+        inside.set()  # the new plan and allocation are in force; the layout is not yet
+        go_on.wait(10)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(WorkspacePlan, "_from_result", classmethod(slow_from_result))
+    grown = threading.Thread(target=plan_small, args=(ctx,), kwargs=dict(max_out_tokens=128))
+    grown.start()
+    assert inside.wait(10)
+    seen = {}
+
+    def ask():
+        k, _ = ctx.kv_cache(0)
+        seen.update(kv=k.shape, activations=ctx.activations.nbytes, workspace=ctx.workspace.nbytes)
+
+    reader = threading.Thread(target=ask)
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive()  # waiting for the layout, not answering with the old one
+    go_on.set()
+    grown.join(10)
+    reader.join(10)
+    assert seen["kv"] == (2, 2, 128, 64)  # the new plan's, with its allocation
+    assert seen["activations"] == 2 * ACTIVATIONS_BYTES and seen["workspace"] == ctx.plan.workspace_bytes
+    monkeypatch.undo()
+    plan_small(ctx)
+
+
+@pytest.mark.gpu
 def test_concurrent_gen_workspace_calls_leave_one_plan_in_force(ctx):
     """Two threads plan different requests at once (64 and 128 tokens), 100 times: after each
     pair the plan and layout the view accessors use are those of the plan the C++ context holds

@@ -948,14 +948,14 @@ def sticky_script(mode):
 
 
 # Calls whose GPU work is inferctx's own: each must raise inferctx's CudaError. Releasing a held
-# workspace synchronises the device; retaking a released one (mode "released") is only the
-# driver's virtual memory calls, which need not report the context's error, so it is checked by
-# the message test alone.
+# workspace synchronises the device; retaking a released one (mode "released") asks the
+# context's stream first, since the driver's virtual memory calls alone need not report the
+# context's error.
 STICKY_GPU_CALLS = {
     "address-8": ("gen_workspace", "dropout(DeviceView)", "gemm(DeviceView)", "sync_comp",
                   "stream.synchronize", "own_stream.synchronize", "release_workspace"),
     "released": ("gen_workspace", "dropout(DeviceView)", "gemm(DeviceView)", "sync_comp",
-                 "stream.synchronize", "own_stream.synchronize"),
+                 "stream.synchronize", "own_stream.synchronize", "retake_workspace"),
 }
 # Calls on another package's arrays: the package may notice the error first; they must raise.
 STICKY_PACKAGE_CALLS = ("dropout(package, out=)", "gemm(package, out=)")
