@@ -190,6 +190,13 @@ def test_p_one_gives_zeros_and_an_empty_mask(torch, dtype):
     yt = to_torch(torch, y)
     assert not bool(raw_bits(torch, yt).any())  # +0 everywhere
     assert not host_words(torch, mask).any()
+    # Into outputs that hold other values (NaN, all bits set), so a call that wrote nothing fails.
+    out = torch.full_like(x, float("nan"))
+    words = torch.full(((n + 31) // 32,), -1, dtype=torch.int32, device="cuda")
+    run(x, 1.0, out=out, mask_out=words, mask="bits", seed=5, offset=0)
+    torch.cuda.synchronize()
+    assert not bool(raw_bits(torch, out).any())
+    assert not host_words(torch, words).any()
 
 
 def test_out_and_in_place(torch):
@@ -228,6 +235,8 @@ def test_input_written_just_before_the_call_is_seen(torch):
     # torch's writes on its own stream.
     n = 1 << 26
     x = torch.full((n,), 2.0, device="cuda", dtype=torch.float16)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000)  # the producer's stream busy first, then its write
     x.mul_(3.0)
     y, _ = run(x, 0.5, mask=None, seed=3, offset=0)
     yt = to_torch(torch, y)
@@ -388,9 +397,14 @@ def test_mask_out_reuses_a_buffer(mode):
     assert m is buf
     y2, m2 = inferctx.dropout(x, 0.3, mask=mode, seed=3, offset=8)
     torch.cuda.synchronize()
-    ref = torch.from_dlpack(m2)
-    assert torch.equal(buf.view(ref.dtype) if mode == "bits" else buf, ref)
+    same = torch.from_dlpack(m2)
+    assert torch.equal(buf.view(same.dtype) if mode == "bits" else buf, same)
     assert torch.equal(torch.from_dlpack(y), torch.from_dlpack(y2))
+    keep = ref.dropout_keep(3, 8, 0.3, n)  # and both are the independent reference's
+    if mode == "bits":
+        assert np.array_equal(buf.cpu().numpy().view(np.uint32), ref.pack_bits(keep))
+    else:
+        assert np.array_equal(buf.cpu().numpy(), keep.astype(np.uint8))
 
 
 @pytest.mark.gpu
@@ -438,3 +452,6 @@ def test_a_refused_call_takes_no_philox_offset(torch):
     y_ref, mask_ref = inferctx.dropout(x, 0.5, seed=seed, offset=offset)
     assert torch.equal(mask, mask_ref) and torch.equal(y, y_ref)  # read at once, no synchronize
     assert ctx.rng_state == (seed, offset + 4)
+    keep = ref.dropout_keep(seed, offset, 0.5, n)  # what it would have drawn, from the reference
+    assert np.array_equal(host_words(torch, mask), ref.pack_bits(keep))
+    assert_same_bits(torch, y, expected_y(torch, x, keep, 0.5))

@@ -116,11 +116,15 @@ def test_async_round_trip(ctx, use_stream):
     k.copy_to_host(dst, stream)
     dst.synchronize()
     assert np.array_equal(np.frombuffer(dst, dtype=np.float16), values)
-    # Reading through the buffer protocol waits for the copy queued into it.
+    # Reading through the buffer protocol waits for the copy queued into it: new values, into a
+    # buffer that holds other ones, so an unwaited read would see the old.
+    others = (values + np.float16(1)).astype(np.float16)
+    np.frombuffer(src, dtype=np.float16)[:] = others
     v.copy_from_host(src)
+    np.frombuffer(dst, dtype=np.float16)[:] = np.float16(np.nan)
     v.copy_to_host(dst)
     assert np.array_equal(np.frombuffer(dst, dtype=np.float16).reshape(KV_SHAPE),
-                          values.reshape(KV_SHAPE))
+                          others.reshape(KV_SHAPE))
 
 
 @pytest.mark.gpu
