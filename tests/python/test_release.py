@@ -44,6 +44,18 @@ def hog(torch, ctx, leave):
     return blocks
 
 
+def overwrite_free_memory(torch, ctx):
+    """While a workspace is released: nearly all free device memory taken, written with a pattern
+    (0xA5) and given back, so that memory the release freed holds other bytes at the retake (a
+    keep_contents retake that copied nothing back cannot show the old ones)."""
+    blocks = hog(torch, ctx, 256 * MIB)
+    for b in blocks:
+        b.fill_(0xA5)
+    torch.cuda.synchronize()
+    del blocks
+    torch.cuda.empty_cache()
+
+
 @pytest.fixture(autouse=True)
 def _give_back_torch_cache():
     """Memory a test took through torch goes back to the device afterwards: torch's caching
@@ -227,6 +239,7 @@ def test_keep_contents_gives_a_4_gib_workspace_back_byte_for_byte(ctx, torch):
     # (pinning the host copy of several GiB takes a few MiB of device memory for its mappings)
     assert free_bytes(ctx) - before >= nbytes - 4 * SLACK
     assert ctx.host_copy_bytes >= nbytes
+    overwrite_free_memory(torch, ctx)
     ctx.retake_workspace()
     back = torch.from_dlpack(ctx.workspace)
     if ctx.addresses_stable:
@@ -238,6 +251,7 @@ def test_keep_contents_gives_a_4_gib_workspace_back_byte_for_byte(ctx, torch):
     del back
     gc.collect()
     ctx.release_workspace(keep_contents=True)
+    overwrite_free_memory(torch, ctx)
     ctx.retake_workspace()
     assert torch.equal(torch.from_dlpack(ctx.workspace)[:reference.numel()], reference)
     gc.collect()
@@ -262,6 +276,7 @@ def test_a_kv_cache_survives_a_release_in_the_middle_of_a_generation(ctx, torch)
         gc.collect()
     ctx.release_workspace(keep_contents=True)
     assert ctx.current_tokens == 17  # the generation's state is the caller's and stays
+    overwrite_free_memory(torch, ctx)
     ctx.retake_workspace()
     k, v = ctx.kv_cache(3)
     assert torch.equal(torch.from_dlpack(k), expected_k)
@@ -383,6 +398,8 @@ def test_retake_without_memory_raises_and_leaves_the_context_released_and_consis
         gc.collect()
     ctx.release_workspace(keep_contents=True)
     taken = hog(torch, ctx, 64 * MIB)
+    for b in taken:  # the memory the release freed holds other bytes now
+        b.fill_(0x5A)
     try:
         assert free_bytes(ctx) < held
         with pytest.raises(WorkspaceOOMError) as info:
