@@ -146,6 +146,10 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
     CHECK(writable(*ctx->workspace(), ctx->stream(), 0x71));
   } catch (const WorkspaceOOMError& e) {
     std::printf("  (path taken: the allocation failed after freeing the old workspace: %s)\n", e.what());
+    // Only the cudaMalloc path frees the old workspace first and may then fail: under virtual
+    // memory the plan counts the mapped workspace as free and grows it in place, within what was
+    // free when it was planned.
+    CHECK(!ctx->addresses_stable());
     CHECK(e.requested_bytes > free_before);
     CHECK(ctx->has_plan());
     CHECK_EQ(ctx->plan().workspace_bytes, old_bytes);
@@ -196,6 +200,9 @@ TEST_CASE("with a view alive: grown in place (virtual memory), or OOM with the p
     }
   } catch (const WorkspaceOOMError& e) {
     std::printf("  (the plan with a view alive failed: %s)\n", e.what());
+    // Under virtual memory the plan counted the mapped workspace as free and grows it in place:
+    // a view alive is no reason to fail there.
+    CHECK(!ctx->addresses_stable());
     CHECK(ctx->workspace() == view);
     CHECK_EQ(ctx->plan().workspace_bytes, old_plan.workspace_bytes);
     if (!ctx->addresses_stable()) CHECK(std::string(e.what()).find("view") != std::string::npos);

@@ -62,6 +62,21 @@ long long cycles_per_ms() {
   return khz > 0 ? khz : 2000000;
 }
 
+// Queues on `stream` 50 ms of spinning, then the sum of the block's n ints into `total`: the
+// block is still read well after the host has let it go.
+void read_late(const DeviceAllocation& block, int n, cudaStream_t stream, unsigned long long* total) {
+  spin<<<1, 1, 0, stream>>>(cycles_per_ms() * 50);
+  sum_into<<<(n + 255) / 256, 256, 0, stream>>>(static_cast<const int*>(block.data()), n, total);
+}
+
+// A block of n ints on `stream` holding 1s, landed when this returns.
+std::shared_ptr<PooledAllocation> block_of_ones(DevicePool& pool, int n, cudaStream_t stream) {
+  auto block = pool.allocate(int64_t{n} * 4, stream);
+  fill<<<(n + 255) / 256, 256, 0, stream>>>(static_cast<int*>(block->data()), n, 1);
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize", kDevice);
+  return block;
+}
+
 }  // namespace
 
 TEST_CASE("gpu: negative sizes and a null stream are refused") {
@@ -163,28 +178,66 @@ TEST_CASE("gpu: a use on a thread's per-thread default stream is waited for when
 }
 
 TEST_CASE("gpu: a use on an unknown stream, or on a stream that is not durable (destroyed since), frees after a device synchronisation") {
+  // Each block is read 50 ms after it is let go; the next block of its size (the same one: the
+  // pool is trimmed first, so no other free block of the size is left) is then filled with 7s.
+  // The reader sums n only if the free waited for it.
   auto pool = DevicePool::of(kDevice);
+  const int n = 1 << 18;  // 1 MiB
+  unsigned long long* total = nullptr;
+  check_cuda(cudaMalloc(&total, sizeof *total), "cudaMalloc", kDevice);
   cudaStream_t s = new_stream();
   {
-    auto block = pool->allocate(1 << 20, cudaStreamLegacy);
-    block->note_use(s);
+    // The pool knows of the legacy stream alone, a durable one: but for the unknown use, the
+    // block would be freed in that stream's order and taken straight back by the allocation on
+    // it below, while the reader on `s` (non-blocking: the legacy stream does not wait for it)
+    // still runs.
+    check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+    pool->trim(0);
+    auto block = block_of_ones(*pool, n, cudaStreamLegacy);
     block->note_unknown_use();
+    read_late(*block, n, s, total);
   }
+  CHECK_EQ(reader_total_after_reuse(*pool, n, cudaStreamLegacy, total), static_cast<unsigned long long>(n));
   {
-    auto block = pool->allocate(1 << 20, cudaStreamLegacy);
+    check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+    pool->trim(0);
+    auto block = block_of_ones(*pool, n, cudaStreamLegacy);
     block->note_use(s);
+    // Work queued on a stream runs to its end after the stream is destroyed; the device
+    // synchronisation waits for it like any other.
+    read_late(*block, n, s, total);
     check_cuda(cudaStreamDestroy(s), "cudaStreamDestroy", kDevice);
   }  // no event is recorded on the destroyed stream: the free synchronises the device instead
+  CHECK_EQ(reader_total_after_reuse(*pool, n, cudaStreamLegacy, total), static_cast<unsigned long long>(n));
+  cudaStream_t other = new_stream();
   {
-    // A durable stream is waited for by an event (and is never destroyed).
+    // A durable stream is waited for in its own order (and is never destroyed): the block is
+    // freed on it, after the reader, and another stream gets it only once that free is reached.
     cudaStream_t durable = new_stream();
     pool->note_durable(durable);
-    auto block = pool->allocate(1 << 20, durable);
-    spin<<<1, 1, 0, durable>>>(cycles_per_ms() * 20);
+    check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+    pool->trim(0);
+    auto block = block_of_ones(*pool, n, durable);
+    read_late(*block, n, durable, total);
   }
+  CHECK_EQ(reader_total_after_reuse(*pool, n, other, total), static_cast<unsigned long long>(n));
+  {
+    // Two durable streams: the pool's stream waits for each by an event before the free.
+    cudaStream_t writer = new_stream(), reader = new_stream();
+    pool->note_durable(writer);
+    pool->note_durable(reader);
+    check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+    pool->trim(0);
+    auto block = block_of_ones(*pool, n, writer);
+    block->note_use(reader);
+    read_late(*block, n, reader, total);
+  }
+  CHECK_EQ(reader_total_after_reuse(*pool, n, other, total), static_cast<unsigned long long>(n));
   CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
   auto next = pool->allocate(1 << 20, cudaStreamLegacy);
   CHECK(next->data() != nullptr);
+  cudaFree(total);
+  cudaStreamDestroy(other);
 }
 
 TEST_CASE("gpu: a block let go while its durable stream captures a CUDA graph waits for a later synchronisation") {
