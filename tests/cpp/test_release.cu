@@ -208,6 +208,21 @@ TEST_CASE("VirtualAllocation: a map or grow that cannot be had answers false and
   CHECK_EQ(test_pattern::mismatches(base, bytes, 5, s.handle()), int64_t{0});
 }
 
+namespace {
+
+// While a workspace is released: `bytes` of device memory taken, written with another pattern and
+// given back, so that memory the release freed holds other bytes at the retake (a retake that
+// copied nothing back cannot show the old ones).
+void overwrite_freed(int64_t bytes, cudaStream_t stream) {
+  void* scratch = nullptr;
+  INFERCTX_CUDA(cudaMalloc(&scratch, static_cast<size_t>(bytes)), kDevice);
+  test_pattern::fill(scratch, bytes, 7777, stream);
+  INFERCTX_CUDA(cudaStreamSynchronize(stream), kDevice);
+  INFERCTX_CUDA(cudaFree(scratch), kDevice);
+}
+
+}  // namespace
+
 TEST_CASE("context: keep_contents gives an 896 MiB workspace back byte for byte; the host copy is reused") {
   auto ctx = InferenceContext::instance(kDevice);
   ctx->release_workspace(false);
@@ -222,6 +237,7 @@ TEST_CASE("context: keep_contents gives an 896 MiB workspace back byte for byte;
   ctx->release_workspace(false, true);
   CHECK(ctx->released());
   CHECK_EQ(ctx->host_copy_bytes(), size);
+  overwrite_freed(size, ctx->stream());
   CHECK(ctx->retake_workspace());
   CHECK_EQ(ctx->host_copy_bytes(), size);  // kept for the next release
   auto back = ctx->workspace();
@@ -234,6 +250,7 @@ TEST_CASE("context: keep_contents gives an 896 MiB workspace back byte for byte;
   if (!ctx->addresses_stable()) back.reset();
   ctx->release_workspace(false, true);
   CHECK_EQ(ctx->host_copy_bytes(), size);
+  overwrite_freed(size, ctx->stream());
   CHECK(ctx->retake_workspace());
   CHECK_EQ(test_pattern::mismatches(ctx->workspace()->data(), size, 2025, ctx->stream()), int64_t{0});
   ws.reset();
