@@ -50,7 +50,8 @@ def _m(name: str, layers: int, heads: int, hidden: int, kv: int, head: int, voca
 # num_attention_heads / n_head, hidden_size / n_embd, num_key_value_heads / multi_query,
 # head_dim, vocab_size, intermediate_size / ffn_dim, tie_word_embeddings) and the parameter
 # count of its released weights (the sum of the checkpoint's tensor sizes, as the Hugging Face
-# model page reports it). tests/python/test_presets.py re-derives every count from the
+# model page reports it; for GPT-J the figure its model card gives, 2,498,560 more than its
+# config's tensors add up to). tests/python/test_presets.py re-derives every count from the
 # figures, layer by layer.
 _MODEL_LIST = [
     _m("llama-2-7b", 32, 32, 4096, 32, 128, 32000, 11008, False, 6_738_415_616, "meta-llama/Llama-2-7b-hf"),
