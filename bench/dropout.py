@@ -1,6 +1,6 @@
 """Dropout bandwidth: inferctx.dropout (bits / bytes / no mask) against torch's dropout and a copy.
 
-For fp16, bf16 and fp32 inputs of 16 MiB, 256 MiB and 2 GiB (by default), in one run:
+For fp16, bf16 and fp32 inputs of 16 MiB, 64 MiB, 256 MiB and 2 GiB (by default), in one run:
 
 * ours as a user calls it, ``inferctx.dropout(x, p)`` on torch tensors with no ``out=`` and no
   ``mask_out=`` (y and the bit mask come from torch's caching allocator): "ours plain";

@@ -16,7 +16,7 @@ For each input size and dtype, and for graphs of 1 and of 32 dropout calls (a de
 Every figure is device time per dropout call: each call (or replay) is timed alone between CUDA
 events after warm-up, with the stream first held by a sleep kernel so that host launch overhead
 does not show; the median of the samples, divided by the calls in the graph. Inputs that fit in
-L2 are rotated over several buffer sets (more than 3x L2 in all) so that every call reads memory
+L2 are rotated over several buffer sets (their inputs 3x L2 in all) so that every call reads memory
 that is not in L2. Host figures (``ctx.increment_offset(4)``, the capture query, one eager call)
 are medians of loops of Python calls.
 
@@ -73,10 +73,12 @@ class Timer:
         torch.cuda.synchronize()
         return cycles / max(start.elapsed_time(end), 1e-3)
 
-    def run(self, fn, iters: int, warmup: int) -> list[float]:
-        """Per-call times in ms; fn(i) is one call (or replay) on the current stream."""
+    def run(self, fn, iters: int, warmup: int, launches: int = 1, distinct: int = 1) -> list[float]:
+        """Per-call times in ms; fn(i) is one call (or replay) on the current stream, queuing
+        `launches` kernels or graph launches; fn(0..distinct-1) are all different (each graph of
+        a rotation), and each runs once before timing, so no timed replay is a graph's first."""
         torch = self.torch
-        for i in range(warmup):
+        for i in range(max(warmup, distinct)):
             fn(i)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -84,17 +86,25 @@ class Timer:
             fn(i)
         host_ms = (time.perf_counter() - t0) * 1e3 / 3
         torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        if self.sleep:
-            hold_ms = min(1000.0, 1.5 * iters * (host_ms + 0.02) + 1.0)
-            self.sleep(int(hold_ms * self.cycles_per_ms))
-        for i in range(iters):
-            starts[i].record()
-            fn(i)
-            ends[i].record()
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        # A stream queues about a thousand commands before the host blocks on a launch: past
+        # that, the timed calls would run at the host's pace. So the calls are timed in parts of
+        # at most 900 commands (the calls' launches and their two events), each behind a hold.
+        per_part = max(1, 900 // (launches + 2))
+        times: list[float] = []
+        for first in range(0, iters, per_part):
+            part = range(first, min(iters, first + per_part))
+            starts = [torch.cuda.Event(enable_timing=True) for _ in part]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in part]
+            if self.sleep:
+                hold_ms = min(1000.0, 1.5 * len(part) * (host_ms + 0.02) + 1.0)
+                self.sleep(int(hold_ms * self.cycles_per_ms))
+            for j, i in enumerate(part):
+                starts[j].record()
+                fn(i)
+                ends[j].record()
+            torch.cuda.synchronize()
+            times += [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        return times
 
 
 def default_iters(nbytes: int) -> int:
@@ -106,10 +116,10 @@ def default_iters(nbytes: int) -> int:
 
 
 def buffer_sets(torch, nbytes: int, dtype, calls: int) -> int:
-    """Buffer sets to rotate so that a graph's inputs are not in L2 when it replays: more than 3x
-    L2 in all (each set is a graph of its own; the small sizes need hundreds)."""
+    """Buffer sets to rotate so that a graph's inputs are not in L2 when it replays: the inputs of
+    all sets together 3x L2 (each set is a graph of its own; the small sizes need hundreds)."""
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    per_set = 3 * nbytes * calls  # x, y and the masks, roughly
+    per_set = nbytes * calls  # the inputs a set's calls read (its outputs and masks come on top)
     return max(1, -(-3 * l2 // max(per_set, 1)))
 
 
@@ -213,7 +223,8 @@ def main(argv=None) -> int:
                 }
                 us = {}
                 for name, fn in variants.items():
-                    samples = timer.run(fn, iters, args.warmup)
+                    samples = timer.run(fn, iters, args.warmup, launches=1 if "graph" in name else calls,
+                                        distinct=sets)
                     us[name] = statistics.median(samples) * 1e3 / calls
                 row = dict(dtype=dname, input_bytes=nbytes, calls_per_graph=calls, p=args.p,
                            iters=iters, buffer_sets=sets,
