@@ -84,7 +84,16 @@ class _ThenContext:
         self._loader = loader
 
     def create_module(self, spec: ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
+        try:
+            return self._loader.create_module(spec)
+        except ImportError as exc:
+            if not any(name.split(".so")[0] in str(exc) for name in _LIBS):
+                raise
+            # The loader's message names the file; say where it comes from.
+            raise ImportError(f"{exc}: inferctx's GPU module needs cuBLAS 13, which the nvidia-cublas "
+                              f"wheel provides: pip install 'nvidia-cublas>=13,<14' (it is a dependency of "
+                              f"inferctx; an install with --no-deps leaves it out)",
+                              name=exc.name, path=exc.path) from exc
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)

@@ -113,6 +113,44 @@ def test_license_in_the_repository_and_the_installed_distribution():
     repo = (Path(__file__).parents[2] / "LICENSE").read_text()
     assert repo.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in repo
     assert "END OF TERMS AND CONDITIONS" in repo
-    files = [f for f in metadata.files("inferctx") or [] if f.name == "LICENSE"]
-    assert files and files[0].read_text() == repo
+    files = {f.as_posix().split("/licenses/", 1)[-1]: f for f in metadata.files("inferctx") or []
+             if f.name == "LICENSE"}
+    assert "LICENSE" in files and files["LICENSE"].read_text() == repo
+    # DLPack's header is compiled into the GPU module: its licence ships beside ours.
+    dlpack = (Path(__file__).parents[2] / "third_party" / "dlpack" / "LICENSE").read_text()
+    assert "third_party/dlpack/LICENSE" in files and files["third_party/dlpack/LICENSE"].read_text() == dlpack
     assert metadata.metadata("inferctx")["License-Expression"] == "Apache-2.0"
+
+
+def test_a_missing_cublas_says_which_wheel_provides_it():
+    import pytest
+
+    from inferctx import _libs
+
+    class Loader:
+        def __init__(self, message):
+            self.message = message
+
+        def create_module(self, spec):
+            raise ImportError(self.message)
+
+    missing = "libcublas.so.13: cannot open shared object file: No such file or directory"
+    with pytest.raises(ImportError) as info:
+        _libs._ThenContext(Loader(missing)).create_module(None)
+    assert str(info.value).startswith(missing) and "pip install 'nvidia-cublas>=13,<14'" in str(info.value)
+    with pytest.raises(ImportError) as info:  # another library's failure passes unchanged
+        _libs._ThenContext(Loader("libfoo.so.1: cannot open shared object file")).create_module(None)
+    assert str(info.value) == "libfoo.so.1: cannot open shared object file"
+
+
+def test_the_decoder_without_torch_says_which_extra_to_install(monkeypatch):
+    import pytest
+
+    import inferctx.decoder as decoder
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch fails
+    monkeypatch.delitem(sys.modules, "inferctx.decoder._decoder", raising=False)  # not loaded yet
+    monkeypatch.delitem(decoder.__dict__, "ReferenceDecoder", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'inferctx\[demo\]'") as info:
+        decoder.ReferenceDecoder  # noqa: B018
+    assert info.value.name == "torch"

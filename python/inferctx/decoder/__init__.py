@@ -86,7 +86,14 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    try:
+        loaded = importlib.import_module(f".{module}", __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("torch", "transformers"):
+            raise
+        raise ModuleNotFoundError(f"inferctx.decoder.{name} needs torch (and transformers for the Hugging Face "
+                                  f"models): pip install 'inferctx[demo]'", name=exc.name) from exc
+    value = getattr(loaded, name)
     globals()[name] = value
     return value
 
