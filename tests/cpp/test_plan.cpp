@@ -35,6 +35,16 @@ PlanRequest small_exact() {
   return r;
 }
 
+// small_exact() with no reserve and a budget of `limit` bytes (memory_limit_bytes).
+PlanRequest small_exact_within(int64_t limit) {
+  PlanRequest r = small_exact();
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  r.has_memory_limit = true;
+  r.memory_limit_bytes = limit;
+  return r;
+}
+
 }  // namespace
 
 TEST_CASE("deepspeed policy, 75 GiB free: 2048 tokens, 12,079,595,520 bytes") {
@@ -130,13 +140,9 @@ TEST_CASE("exact policy, memory_fraction of free memory") {
 TEST_CASE("exact policy: OOM names the largest batch and max_out_tokens that fit") {
   // batch 2, 4 tokens needed: 40960 + 8192 + 1024 = 50176 > 50000. batch 1: 25088 fits.
   // max_out m at batch 2: 49152 + align(64m) <= 50000 up to m = 12 (768); m = 13 needs 1024.
-  PlanRequest r = small_exact();
+  PlanRequest r = small_exact_within(50000);
   r.batch_size = 2;
   r.min_out_tokens = 4;
-  r.has_reserve = true;
-  r.reserve_bytes = 0;
-  r.has_memory_limit = true;
-  r.memory_limit_bytes = 50000;
   bool caught = false;
   try {
     plan_workspace(r);
@@ -154,11 +160,7 @@ TEST_CASE("exact policy: OOM where the tokens that must fit are too many names t
   // Batch 1, max_out 16, budget 50000: t tokens take act 5120t + KV 2 layers x 2 x 256t + scores
   // align256(4 heads x 16 x t x 2 B). t = 7: 35840 + 7168 + 1024 = 44032 fits; t = 8: 40960 +
   // 8192 + 1024 = 50176 does not. 12 tokens need 61440 + 12288 + 1536 = 75264.
-  PlanRequest r = small_exact();
-  r.has_reserve = true;
-  r.reserve_bytes = 0;
-  r.has_memory_limit = true;
-  r.memory_limit_bytes = 50000;
+  PlanRequest r = small_exact_within(50000);
   auto message = [](const PlanRequest& req) {
     try {
       plan_workspace(req);
@@ -194,13 +196,9 @@ TEST_CASE("exact policy: the batch, max_out_tokens and token answers are offered
   // Batch 2, max_out 16, 4 tokens needed, budget 50000 (the case above it: batch 1 and
   // max_out_tokens 12 fit). At batch 2, t = 3: 30720 + 6144 + align256(2 x 4 x 16 x 3 x 2 = 768)
   // = 37632 fits; t = 4: 40960 + 8192 + 1024 = 50176 does not.
-  PlanRequest r = small_exact();
+  PlanRequest r = small_exact_within(50000);
   r.batch_size = 2;
   r.min_out_tokens = 4;
-  r.has_reserve = true;
-  r.reserve_bytes = 0;
-  r.has_memory_limit = true;
-  r.memory_limit_bytes = 50000;
   std::string m;
   try {
     plan_workspace(r);
