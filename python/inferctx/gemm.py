@@ -212,11 +212,9 @@ def _as_cache_file_error() -> Iterator[None]:
     except ConfigError as exc:
         if exc.argument != "path":
             raise
-        message = str(exc)
-        message = message[len("path: "):] if message.startswith("path: ") else message
-        message = message.replace("; merge=True keeps the file's entries: mend or remove the file, or pass "
-                                  "merge=False to replace it", "; mend or remove the file")
-        raise ConfigError(f"cache_file: {message}", argument="cache_file") from None
+        # The file was loaded (and its entries checked) before the save: a merge error names
+        # save_gemm_cache's own keyword only for a file changed meanwhile.
+        raise ConfigError(f"cache_file: {str(exc).removeprefix('path: ')}", argument="cache_file") from None
 
 
 def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
