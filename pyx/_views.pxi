@@ -72,8 +72,9 @@ cdef class DeviceView:
         # and other Python threads go on meanwhile.
         cdef shared_ptr[DeviceAllocation] last
         last.swap(self._alloc)
-        with nogil:
-            last.reset()
+        if last.use_count() == 1:  # the last owner: the allocation goes now (views of one share it)
+            with nogil:
+                last.reset()
 
     # -- description -----------------------------------------------------------------------
     @property
