@@ -186,7 +186,8 @@ WorkspacePlan InferenceContext::gen_workspace_virtual(const PlanRequest& measure
             std::to_string(next.max_tokens) + " tokens, " + human_bytes(wanted) + " in all) failed on device " +
             std::to_string(device_) + " although it was within the budget of " + human_bytes(next.budget_bytes) +
             " (" + next.budget_limit + ", free " + human_bytes(measured.free_bytes) + " of " +
-            human_bytes(measured.total_bytes) + "): other allocations took memory meanwhile; " + state +
+            human_bytes(measured.total_bytes) + "): other allocations took memory meanwhile, or the reserve left the "
+            "driver too little for its own use (the page tables of the mapping); " + state +
             ". Ask for less: a larger reserve_bytes, a lower memory_fraction (of free memory) or "
             "memory_limit_bytes, or a smaller batch_size / max_out_tokens",
         wanted, measured.free_bytes, measured.total_bytes, next.budget_bytes, -1, -1);
@@ -251,7 +252,8 @@ WorkspacePlan InferenceContext::gen_workspace_malloc(const PlanRequest& measured
               std::to_string(next.max_tokens) + " tokens) failed on device " + std::to_string(device_) +
               " although it was within the budget of " + human_bytes(next.budget_bytes) + " (" + next.budget_limit +
               ", free " + human_bytes(measured.free_bytes) + " of " + human_bytes(measured.total_bytes) +
-              "): other allocations took memory meanwhile, or it is fragmented; " + state +
+              "): other allocations took memory meanwhile, it is fragmented, or the reserve left the driver too "
+              "little for its own use; " + state +
               ". Ask for less: a larger reserve_bytes, a lower memory_fraction (of free memory) or "
               "memory_limit_bytes, or a smaller batch_size / max_out_tokens",
           next.workspace_bytes, measured.free_bytes, measured.total_bytes, next.budget_bytes, -1, -1), remedy);

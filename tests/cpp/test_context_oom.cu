@@ -118,9 +118,11 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
   const int64_t old_bytes = old_plan.workspace_bytes;
   CHECK_EQ(ctx->views_alive(), int64_t{0});
 
-  // No reserve and a max_out_tokens that cannot fit: the plan takes all free memory, counting
-  // the old workspace, to within one token (about 2 MiB here, less than the old 224 MiB). So
-  // it cannot be allocated beside the old workspace, only in its place.
+  // A small reserve (128 MiB, less than the old 224 MiB) and a max_out_tokens that cannot fit:
+  // the plan takes all free memory but the reserve, counting the old workspace, to within one
+  // token (about 2 MiB here). So it cannot be allocated beside the old workspace, only in its
+  // place. The reserve is not 0: the driver needs device memory of its own to map that much
+  // (on an H100 a plan of every free byte failed to map for want of it).
   PlanRequest r;
   r.shape = {1, 1, 128, 1};
   r.batch_size = 1;
@@ -129,7 +131,7 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
   r.min_out_tokens = 1;
   r.dtype = static_cast<int>(DType::Float16);
   r.has_reserve = true;
-  r.reserve_bytes = 0;
+  r.reserve_bytes = int64_t{128} << 20;
   const int64_t free_before = free_memory();
   void* old_address = ctx->workspace()->data();
   try {
@@ -140,6 +142,7 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
     CHECK(big.bound_by == "memory");
     CHECK(big.request.free_bytes >= free_before + old_bytes - (int64_t{8} << 20));
     CHECK(big.workspace_bytes > free_before);  // only possible without the old workspace
+    CHECK(big.workspace_bytes <= big.request.free_bytes - r.reserve_bytes);
     CHECK(!ctx->released());
     CHECK_EQ(ctx->workspace()->size(), big.workspace_bytes);
     if (ctx->addresses_stable()) CHECK(ctx->workspace()->data() == old_address);
@@ -148,7 +151,7 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
     std::printf("  (path taken: the allocation failed after freeing the old workspace: %s)\n", e.what());
     // Only the cudaMalloc path frees the old workspace first and may then fail: under virtual
     // memory the plan counts the mapped workspace as free and grows it in place, within what was
-    // free when it was planned.
+    // free when it was planned less the reserve.
     CHECK(!ctx->addresses_stable());
     CHECK(e.requested_bytes > free_before);
     CHECK(ctx->has_plan());
@@ -179,13 +182,14 @@ TEST_CASE("with a view alive: grown in place (virtual memory), or OOM with the p
   // Under cudaMalloc, with a view alive the planner no longer counts the old workspace as free,
   // so the request below plans within the memory beside it; the allocation then either fits or
   // fails, and a failure must leave the old plan and allocation in place. Under virtual memory
-  // the mapped workspace counts as free, views or not, and the plan grows it in place.
+  // the mapped workspace counts as free, views or not, and the plan grows it in place (the
+  // 128 MiB reserve leaves the driver room to map it).
   PlanRequest r;
   r.shape = {1, 1, 128, 1};
   r.max_out_tokens = int64_t{1} << 20;
   r.dtype = static_cast<int>(DType::Float16);
   r.has_reserve = true;
-  r.reserve_bytes = 0;
+  r.reserve_bytes = int64_t{128} << 20;
   const int64_t free_before = free_memory();
   try {
     WorkspacePlan big = ctx->gen_workspace(r);
