@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +30,9 @@ using test_memory::Hog;
 using test_memory::writable;
 
 int kDevice = 0;  // the current device when main() starts
+
+// True under tools/gpu-suite's sanitizer runs, which take device memory of their own meanwhile.
+bool sanitized() { return std::getenv("INFERCTX_SANITIZE") != nullptr; }
 
 int64_t free_memory() {
   size_t f = 0, t = 0;
@@ -151,8 +155,11 @@ TEST_CASE("a regrow that fits only in place of the old workspace: freed first, o
     std::printf("  (path taken: the allocation failed after freeing the old workspace: %s)\n", e.what());
     // Only the cudaMalloc path frees the old workspace first and may then fail: under virtual
     // memory the plan counts the mapped workspace as free and grows it in place, within what was
-    // free when it was planned less the reserve.
-    CHECK(!ctx->addresses_stable());
+    // free when it was planned less the reserve. The sanitizers (INFERCTX_SANITIZE, four
+    // executables at a time, initcheck's shadow of every allocation) take memory meanwhile; there
+    // a failure may come, but it never costs the old workspace.
+    CHECK(!ctx->addresses_stable() || sanitized());
+    if (ctx->addresses_stable()) CHECK(!ctx->released());
     CHECK(e.requested_bytes > free_before);
     CHECK(ctx->has_plan());
     CHECK_EQ(ctx->plan().workspace_bytes, old_bytes);
@@ -205,8 +212,8 @@ TEST_CASE("with a view alive: grown in place (virtual memory), or OOM with the p
   } catch (const WorkspaceOOMError& e) {
     std::printf("  (the plan with a view alive failed: %s)\n", e.what());
     // Under virtual memory the plan counted the mapped workspace as free and grows it in place:
-    // a view alive is no reason to fail there.
-    CHECK(!ctx->addresses_stable());
+    // a view alive is no reason to fail there (but memory the sanitizers take meanwhile is).
+    CHECK(!ctx->addresses_stable() || sanitized());
     CHECK(ctx->workspace() == view);
     CHECK_EQ(ctx->plan().workspace_bytes, old_plan.workspace_bytes);
     if (!ctx->addresses_stable()) CHECK(std::string(e.what()).find("view") != std::string::npos);
