@@ -18,8 +18,16 @@ cdef str _type_name(object value):
     return f"{module}.{cls.__qualname__}"
 
 
+cdef bint _is_flag(object value):
+    """A bool, Python's or NumPy's: never a number here (NumPy 1.x's bool_ has __index__)."""
+    if PyBool_Check(value):
+        return True
+    t = type(value)
+    return t.__module__ == "numpy" and t.__name__ in ("bool", "bool_")
+
+
 cdef int64_t _int_arg_slow(object value, str argument) except? -1:
-    if PyBool_Check(value) or value is None:
+    if _is_flag(value) or value is None:
         raise _ConfigError(f"{argument}: got {value!r}; it must be an integer", argument=argument)
     try:
         value = _operator.index(value)
@@ -62,7 +70,7 @@ cdef inline uint64_t _uint64_arg(object value, str argument) except? 0:
 
 
 cdef uint64_t _uint64_arg_slow(object value, str argument) except? 0:
-    if PyBool_Check(value) or value is None:
+    if _is_flag(value) or value is None:
         raise _ConfigError(f"{argument}: got {value!r}; it must be an integer in [0, 2**64)",
                            argument=argument)
     try:
@@ -99,7 +107,7 @@ cdef tuple _shape_arg(object shape, str argument):
         items = (shape,)
     out = []
     for item in items:
-        if PyBool_Check(item):
+        if _is_flag(item):
             raise _ConfigError(f"{argument}: got {shape!r}; its entries must be integers",
                                argument=argument)
         try:

@@ -452,9 +452,15 @@ cdef class InferenceContext:
         (``own_stream``). Kernels on operands of no package, ``sync_comp`` / ``sync_comm`` and
         DeviceView exports use it."""
         cdef uintptr_t handle = _ctx_stream(self)
+        cdef object source
         if self._stream_obj is None or self._stream_obj._handle != handle:
-            self._stream_obj = _borrowed_stream(handle, self.device,
-                                                self if self._adopted is None else self._adopted)
+            source = self if self._adopted is None else self._adopted
+            if (self._adopted is None and _torch_tensor is None and _cupy_ndarray is not None
+                    and handle == _package_stream(PKG_CUPY, self.device)):
+                # CuPy destroys a stream with its object: the Stream returned keeps it alive,
+                # as a borrowed stream keeps its source.
+                source = _cupy_current_stream(self.device)
+            self._stream_obj = _borrowed_stream(handle, self.device, source)
         return self._stream_obj
 
     @property

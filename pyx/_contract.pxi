@@ -31,7 +31,7 @@ from inferctx._decl_dlpack cimport kDLCUDA, kDLCUDAManaged
 from inferctx._decl_gpu cimport (
     cudaError_t, cudaGetLastError, cudaStreamCaptureStatus, cudaStreamCaptureStatusNone,
     cudaStreamGetDevice, cudaStreamIsCapturing, cudaStreamLegacy, cudaStreamPerThread, cudaStream_t,
-    cudaSuccess, stream_is_on_device, stream_was_destroyed)
+    cudaSuccess, stream_is_on_device)
 
 import sys as _sys
 
@@ -101,21 +101,25 @@ cdef inline int _package_of(object obj) except -1:
     return PKG_NONE
 
 
+cdef object _cupy_current_stream(int device):
+    """CuPy's current stream object on `device`."""
+    global _cupy_stream_takes_device
+    if _cupy_stream_takes_device:
+        try:
+            return _cupy.cuda.get_current_stream(device)
+        except TypeError:  # a CuPy whose get_current_stream takes no device
+            _cupy_stream_takes_device = False
+    with _cupy.cuda.Device(device):
+        return _cupy.cuda.get_current_stream()
+
+
 cdef uintptr_t _package_stream(int package, int device) except 0:
     """The current stream of `package` on `device` (never 0: the legacy stream is 1)."""
-    global _cupy_stream_takes_device
     cdef object handle
     if package == PKG_TORCH:
         handle = _torch_raw_stream(device)
     else:
-        if _cupy_stream_takes_device:
-            try:
-                handle = _cupy.cuda.get_current_stream(device).ptr
-            except TypeError:  # a CuPy whose get_current_stream takes no device
-                _cupy_stream_takes_device = False
-        if not _cupy_stream_takes_device:
-            with _cupy.cuda.Device(device):
-                handle = _cupy.cuda.get_current_stream().ptr
+        handle = _cupy_current_stream(device).ptr
     if handle == 0:
         return <uintptr_t>cudaStreamLegacy
     return <uintptr_t>handle
@@ -173,10 +177,6 @@ cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0
                                f"are on cuda:{device}; pass a stream of cuda:{device}",
                                argument=argument)
         return handle
-    if not isinstance(stream, Stream) and stream_was_destroyed(<cudaStream_t>handle):
-        raise _ConfigError(
-            f"{argument}: {_type_name(stream)} {handle:#x} is the handle of an inferctx.Stream that "
-            f"was destroyed; pass {_STREAM_LIKE} of cuda:{device} that exists", argument=argument)
     on = _stream_device(stream, handle, device, argument)  # leaves a capture alone
     if on < 0:
         raise _ConfigError(f"{argument}: {handle:#x} is a stream of another device than the "
@@ -236,6 +236,11 @@ cdef CudaArray _from_torch(object t, str argument):
     cdef int device = t.get_device()
     if dt is None or device < 0:
         return None
+    if t.is_neg():
+        # Its memory holds the negation of its values (a lazy view such as z.conj().imag): read
+        # or written through the pointer, every value would have the wrong sign.
+        raise _ConfigError(f"{argument}: is a torch tensor with its negative bit set (its memory "
+                           f"holds -{argument}); pass {argument}.resolve_neg()", argument=argument)
     return _cuda_array(<uintptr_t>t.data_ptr(), tuple(t.shape), t.stride(), t.numel(), <int>dt,
                        device, t, False)
 

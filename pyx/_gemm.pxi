@@ -3,6 +3,8 @@
 # kept here, for the general path (_gemm, on operands the call contract imported) and for the
 # torch fast path (_torch_product) behind the public gemm and bmm; then the tuner and algorithm-cache glue of python/inferctx/gemm.py.
 
+from libc.float cimport FLT_MAX
+from libc.math cimport fabs
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libcpp.vector cimport vector as cpp_vector
 
@@ -17,6 +19,17 @@ cdef class _GemmLayout:
     """A worked-out inferctx::GemmLayout."""
     cdef GemmLayout c
     cdef tuple out_shape
+    # Some operand has every stride of its dimensions longer than 1 even, as a torch view with
+    # the negative bit (z.conj().imag: strides twice the complex ones) has: the torch fast path
+    # asks such operands is_neg(), which the general path refuses.
+    cdef bint may_be_negated
+
+
+cdef bint _even_strides(tuple shape, tuple strides):
+    for n, s in zip(shape, strides):
+        if n > 1 and s % 2 != 0:
+            return False
+    return True
 
 
 # Layouts by call signature: (ndim, trans_a, trans_b, then dtype index, shape and strides of a,
@@ -71,6 +84,8 @@ cdef _GemmLayout _gemm_layout_of(int ndim, bint trans_a, bint trans_b, CudaArray
         oc = _gemm_operand(c._dtype, c.dtype, c.shape, c.strides)
     cdef _GemmLayout layout = _new_gemm_layout(ndim, trans_a, trans_b, &oa, &ob,
                                                <GemmOperand*>NULL if c is None else &oc)
+    layout.may_be_negated = (_even_strides(a.shape, a.strides) or _even_strides(b.shape, b.strides)
+                             or (c is not None and _even_strides(c.shape, c.strides)))
     if len(_gemm_layouts) >= _GEMM_LAYOUT_LIMIT:
         _gemm_layouts.clear()
     _gemm_layouts[key] = layout
@@ -196,8 +211,9 @@ cdef object _torch_product(int ndim, a, b, out, trans_a, trans_b, alpha, beta, c
             or (trans_a is not True and trans_a is not False)
             or (trans_b is not True and trans_b is not False)
             or (tf32 is not True and tf32 is not False)
-            or (out is None and beta != 0.0)):
-        return NotImplemented
+            or (out is None and beta != 0.0)
+            or not (fabs(<double>alpha) <= FLT_MAX and fabs(<double>beta) <= FLT_MAX)):
+        return NotImplemented  # gemm.py's path says what is wrong (alpha or beta not finite in fp32)
     cdef int device = a.get_device()
     if device < 0 or b.get_device() != device or (out is not None and out.get_device() != device):
         return NotImplemented
@@ -214,6 +230,8 @@ cdef object _torch_product(int ndim, a, b, out, trans_a, trans_b, alpha, beta, c
     if found is None:
         return NotImplemented
     cdef _GemmLayout layout = <_GemmLayout>found
+    if layout.may_be_negated and (a.is_neg() or b.is_neg() or (out is not None and out.is_neg())):
+        return NotImplemented  # the general path says what is wrong
     if out is None:
         # Sizes as separate ints: torch parses them faster than one tuple (about a third of
         # new_empty's cost on the host); out_shape has two or three.

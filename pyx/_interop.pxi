@@ -255,7 +255,7 @@ cdef tuple _interface_ints(object obj, str argument, str key, object value, bint
     if not bad:
         for n in value:
             try:
-                i = None if PyBool_Check(n) else _operator.index(n)
+                i = None if _is_flag(n) else _operator.index(n)
             except TypeError:
                 i = None
             if i is None or not -(1 << 63) <= i < (1 << 63) or (not signed and i < 0):

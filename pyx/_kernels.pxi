@@ -12,7 +12,7 @@ cdef dict _MASK_MODES = {None: 0, "bytes": 1, "bits": 2}
 
 
 cdef double _probability_arg(object p) except? -1:
-    if PyBool_Check(p) or not isinstance(p, (int, float)) and not hasattr(p, "__float__"):
+    if _is_flag(p) or not isinstance(p, (int, float)) and not hasattr(p, "__float__"):
         raise _ConfigError(f"p: got {p!r}; it must be a number in [0, 1], the probability of "
                            f"dropping an element", argument="p")
     cdef double v
@@ -93,8 +93,10 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     Element i is kept iff output ``i % 4`` of ``curand_uniform4`` on a Philox4_32_10 state from
     ``curand_init(seed, i // 4, offset)`` exceeds ``p`` (rounded to float32), so the result
     depends only on (seed, offset), never on the launch or the GPU. Kept elements are scaled by
-    ``float32(1 / (1 - p))`` worked out in double: ``y`` equals torch's
-    ``x * mask * (1 / (1 - p))`` bit for bit.
+    ``float32(1 / (1 - p))`` worked out in double: ``y`` equals
+    ``torch.where(mask, x * (1 / (1 - p)), 0)`` bit for bit. A dropped element is +0 whatever
+    ``x`` held, where torch's ``x * mask * (1 / (1 - p))`` gives -0 for a negative ``x`` and
+    NaN for an infinite or NaN one; elsewhere the two agree bit for bit.
 
     The call contract: the kernel runs on the current stream of x's package (torch's
     ``current_stream``, CuPy's current stream), or ``ctx.stream`` for a DeviceView or other
@@ -228,7 +230,7 @@ cdef object _torch_dropout(object x, object p, object ctx):
     if context is None:
         return None
     cdef int64_t n = x.numel()
-    if n == 0 or not x.is_contiguous():
+    if n == 0 or not x.is_contiguous() or x.is_neg():
         return None
     cdef double prob = _probability_arg(p)
     cdef uintptr_t stream = _package_stream(PKG_TORCH, device)

@@ -7,7 +7,7 @@ from libcpp.memory cimport unique_ptr
 from inferctx._decl_gpu cimport (
     CppEvent, CppStream, cudaError_t, cudaGetLastError, cudaStreamCaptureStatus,
     cudaStreamCaptureStatusNone, cudaStreamGetDevice, cudaStreamIsCapturing, cudaStreamLegacy,
-    cudaStreamPerThread, cudaStream_t, cudaSuccess, stream_is_on_device)
+    cudaStreamPerThread, cudaStream_t, cudaSuccess, stream_is_on_device, stream_was_destroyed)
 
 
 cdef str _STREAM_LIKE = (
@@ -42,7 +42,7 @@ cdef uintptr_t _stream_handle(object stream, str argument) except 0:
         handle = protocol[1]
     elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
         handle = stream.cuda_stream
-    elif hasattr(stream, "ptr"):  # cupy.cuda.Stream
+    elif _is_cupy_stream(stream):  # cupy.cuda.Stream, ExternalStream
         handle = stream.ptr
     else:
         raise _ConfigError(f"{argument}: got a {_type_name(stream)}; pass {_STREAM_LIKE}",
@@ -53,6 +53,16 @@ cdef uintptr_t _stream_handle(object stream, str argument) except 0:
     if handle == 0:
         return <uintptr_t>cudaStreamLegacy
     return <uintptr_t>handle
+
+
+cdef bint _is_cupy_stream(object stream):
+    """Whether `stream` is one of CuPy's stream classes (or a subclass): the only objects whose
+    ``.ptr`` is a stream handle. CuPy's events and memory pointers, and inferctx's own views and
+    buffers, have a ``.ptr`` too, which is an event or an address."""
+    for cls in type(stream).__mro__:
+        if cls.__name__.endswith("Stream") and (cls.__module__ or "").startswith("cupy"):
+            return True
+    return False
 
 
 cdef int _declared_device(object stream) except -2:
@@ -89,6 +99,14 @@ cdef int _handle_device(uintptr_t handle, int hint, str argument, object stream)
     cdef cudaError_t status
     cdef int on = -1
     cdef bint ours
+    # CUDA cannot be asked about a destroyed handle (it reads freed memory). Only a bare handle
+    # can outlive its stream: a stream object (torch's, CuPy's, one with __cuda_stream__) keeps
+    # its stream alive, and may sit at the address of a destroyed one.
+    if isinstance(stream, int) and stream_was_destroyed(<cudaStream_t>handle):
+        raise _ConfigError(
+            f"{argument}: {handle:#x} is the handle of an inferctx.Stream that was destroyed; pass "
+            f"{_STREAM_LIKE} that exists (for a live stream of another library made at that "
+            f"address since, pass its stream object)", argument=argument)
     with nogil:
         status = cudaStreamIsCapturing(<cudaStream_t>handle, &capture)
         if status == cudaSuccess and capture == cudaStreamCaptureStatusNone:
@@ -122,7 +140,11 @@ cdef class Stream:
 
     def __init__(self, source=None, *, device=None):
         cdef int dev
+        cdef int actual
         cdef uintptr_t handle
+        if self._handle != 0:
+            # A second __init__ would destroy (or drop) the stream others may be using.
+            raise TypeError("Stream.__init__ called twice")
         if source is None:
             dev = _device_arg(device)
             with nogil:
@@ -131,6 +153,11 @@ cdef class Stream:
             handle = _stream_handle(source, "source")
             if device is not None:
                 dev = _device_arg(device)
+                actual = _stream_device(source, handle, dev, "source")
+                if actual >= 0 and actual != dev and handle > <uintptr_t>cudaStreamPerThread:
+                    raise _ConfigError(
+                        f"device: got {dev}, but the source is a stream of cuda:{actual}; pass "
+                        f"device={actual} or leave device out", argument="device")
             else:
                 dev = _stream_device(source, handle, _device_arg(None), "source")
                 if dev < 0:

@@ -190,18 +190,21 @@ cdef class DeviceView:
         """Queues a copy of the view's bytes into ``pinned`` (a PinnedBuffer at least as large).
 
         ``stream`` (default: ``ctx.stream``) runs the copy after the work queued so far on
-        ``ctx.stream``. It returns at once; ``pinned.synchronize()`` waits for it (reading the
-        buffer through NumPy or DLPack waits too).
+        ``ctx.stream``, and ``ctx.stream`` waits for it, so that work queued there later (a
+        kernel writing into the view) cannot change the bytes before they are copied. It
+        returns at once; ``pinned.synchronize()`` waits for it (reading the buffer through NumPy
+        or DLPack waits too).
         """
         _require_accessible(self, "copy_to_host")
         cdef PinnedBuffer host = _pinned_arg(pinned, self._nbytes, "pinned")
         cdef uintptr_t producer = _ctx_stream(self._ctx)
         cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
                                                                             "stream")
-        self._ctx._order(producer, on)
+        self._ctx._order(producer, on, True)  # joined back below
         _note_use(self, on)
         _copy(host._ptr, self._ptr, self._nbytes, on, self._device)
         host._track(self._device, on)
+        self._ctx._order(on, producer)
 
     def copy_from_host(self, pinned, stream=None):
         """Queues a copy of ``pinned``'s first ``nbytes`` bytes into the view.

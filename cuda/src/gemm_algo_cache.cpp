@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -84,6 +85,7 @@ void init_layout(cublasLtMatrixLayoutOpaque_t* storage, cudaDataType_t type, Sto
 struct AlgoCache {
   std::mutex mutex;
   std::unordered_map<Key, std::shared_ptr<const AlgoChoice>, KeyHash> choices;
+  size_t heuristic_entries = 0;  // choices whose source is Source::Heuristic
 };
 
 AlgoCache& algo_cache() {
@@ -164,8 +166,25 @@ std::shared_ptr<const AlgoChoice> find_choice(const Key& key) {
 
 void store_choice(const Key& key, std::shared_ptr<const AlgoChoice> choice) {
   AlgoCache& cache = algo_cache();
+  const bool heuristic = choice->source == Source::Heuristic;
   std::lock_guard<std::mutex> lock(cache.mutex);
-  cache.choices[key] = std::move(choice);
+  auto it = cache.choices.find(key);
+  if (it != cache.choices.end()) {
+    if (it->second->source == Source::Heuristic) --cache.heuristic_entries;
+    it->second = std::move(choice);
+  } else {
+    if (heuristic && cache.heuristic_entries >= kHeuristicEntryLimit) {
+      // Every call signature seen (a prompt length, an offset view) leaves one: a long-running
+      // process would grow without end. They are cheap to make again; tuned and imported
+      // choices stay.
+      for (auto e = cache.choices.begin(); e != cache.choices.end();) {
+        e = e->second->source == Source::Heuristic ? cache.choices.erase(e) : std::next(e);
+      }
+      cache.heuristic_entries = 0;
+    }
+    cache.choices.emplace(key, std::move(choice));
+  }
+  if (heuristic) ++cache.heuristic_entries;
 }
 
 std::shared_ptr<const AlgoChoice> verify_imported(const CublasHandle& handle, const Key& key, const GemmProblem& p,
@@ -285,6 +304,7 @@ void clear_gemm_cache() {
   AlgoCache& cache = algo_cache();
   std::lock_guard<std::mutex> lock(cache.mutex);
   cache.choices.clear();
+  cache.heuristic_entries = 0;
 }
 
 int64_t gemm_cache_size() {

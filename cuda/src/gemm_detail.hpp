@@ -101,6 +101,10 @@ void launch_gemv(const GemmProblem& p, const void* a, const void* b, void* c, fl
 
 enum class Source : int { Heuristic = 0, Tuned = 1, Imported = 2 };
 
+// Heuristic choices the algorithm cache keeps at most: past it, they are all dropped (made
+// again when next needed); tuned and imported ones are never dropped this way.
+constexpr size_t kHeuristicEntryLimit = 4096;
+
 struct Key {
   enum Field {
     Device, DTypeF, TransA, TransB, Tf32, M, N, K, Batch, Lda, Ldb, Ldc, StrideA, StrideB, StrideC, AlignA, AlignB,

@@ -111,9 +111,11 @@ Stream Stream::borrow(cudaStream_t handle, int device) {
 Stream::~Stream() {
   if (owned_ && handle_ != nullptr) {
     CurrentDeviceScope on(device_, std::nothrow);
+    // Noted first: once destroyed, the address may be given to a stream created meanwhile on
+    // another thread, which note_created must be able to take out of the set.
+    note_destroyed(handle_);
     // Work still queued completes; the destroy returns at once and frees the stream after it.
     if (cudaStreamDestroy(handle_) != cudaSuccess) cudaGetLastError();
-    note_destroyed(handle_);
   }
 }
 

@@ -65,8 +65,8 @@ from . import _core
 from ._gemm_cache import (_BACKENDS, _FORMAT, _VERSION, _entry_from_json, _entry_to_json,
                           _identity, _read_cache_file)
 from ._gemm_tune import _Progress, _problem_key, _tune_shapes
-from .dtypes import BFLOAT16, FLOAT16, FLOAT32, NAMES, dtype_code
-from .errors import ConfigError
+from .dtypes import BFLOAT16, FLOAT16, FLOAT32, ITEMSIZE, NAMES, dtype_code
+from .errors import ConfigError, _brief
 
 __all__ = [
     "gemm",
@@ -152,11 +152,15 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
              (("trans_a", trans_a), ("trans_b", trans_b), ("tf32", tf32), ("progress", progress),
               ("force", force))}
     problems = _tune_shapes(shapes)
-    for name, value, low in (("max_algorithms", max_algorithms, 1), ("warmup", warmup, 0),
-                             ("repeats", repeats, 1)):
+    # max_algorithms: what cuBLASLt's heuristic is asked for (the compiled tuner's 1..256);
+    # warmup and repeats: C ints in the compiled tuner.
+    for name, value, low, high, valid in (
+            ("max_algorithms", max_algorithms, 1, 256, "[1, 256]"),
+            ("warmup", warmup, 0, (1 << 31) - 1, "[0, 2**31)"),
+            ("repeats", repeats, 1, (1 << 31) - 1, "[1, 2**31)")):
         if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
-                or value >= 1 << 31):  # a C int in the compiled tuner
-            raise ConfigError(f"{name}: got {value!r}; it must be an integer in [{low}, 2**31)",
+                or value > high):
+            raise ConfigError(f"{name}: got {value!r}; it must be an integer in {valid}",
                               argument=name)
     if ctx is None:
         ctx = _context_of_current_device()
@@ -168,6 +172,7 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
 
     results = []
     bar = _Progress(len(problems), flags["progress"])
+    tuned_any = False
     try:
         for batch, m, n, k in problems:
             p = _core._gemm_packed_problem(code, m, n, k, batch, flags["trans_a"], flags["trans_b"],
@@ -179,7 +184,7 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
             record = {"shape": (batch, m, n, k), "dtype": NAMES[code],
                       "trans_a": flags["trans_a"], "trans_b": flags["trans_b"],
                       "tf32": bool(p["tf32"])}  # the packed problem keeps TF32 for float32 only
-            key = _problem_key(p)
+            key = (_problem_key(p), _packed_alignments(p, ITEMSIZE[code]))
             if key in known:
                 entry = known[key]
                 record.update(default_ms=None, tuned_ms=entry["time_ms"], speedup=None,
@@ -188,6 +193,7 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
             else:
                 r = _core._gemm_tune(ctx, code, flags["trans_a"], flags["trans_b"], m, n, k, batch,
                                      flags["tf32"], int(max_algorithms), int(warmup), int(repeats))
+                tuned_any = True
                 default_ms = r["default_ms"] if r["default_ms"] > 0 else None
                 record.update(default_ms=default_ms, tuned_ms=r["best_ms"],
                               speedup=(default_ms / r["best_ms"]) if default_ms else None,
@@ -196,8 +202,18 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
                               valid=r["valid"], skipped=False)
             results.append(record)
             bar.done(label, record)
-    finally:
+    except BaseException:
         bar.close()
+        # What was tuned before the failure is not lost: it goes to the file, then the error on.
+        if cache_file is not None and tuned_any:
+            try:
+                with _as_cache_file_error():
+                    save_gemm_cache(cache_file)
+            except Exception as save_error:
+                _log.warning("autotune_gemm: the tunings made before the error could not be "
+                             "saved to %s: %s", cache_file, save_error)
+        raise
+    bar.close()
     if cache_file is not None:
         with _as_cache_file_error():
             save_gemm_cache(cache_file)
@@ -296,10 +312,8 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
         trans_b = _flag(trans_b, "trans_b")
     if tf32 is not False and tf32 is not True:
         tf32 = _flag(tf32, "tf32")
-    if type(alpha) is not float:
-        alpha = _scalar(alpha, "alpha")
-    if type(beta) is not float:
-        beta = _scalar(beta, "beta")
+    alpha = _scalar(alpha, "alpha")
+    beta = _scalar(beta, "beta")
     if beta != 0.0 and out is None:
         raise ConfigError(f"{name}: beta={beta} scales the values of out, but there is no out=; "
                           f"pass the array to accumulate into as out=", argument="beta")
@@ -344,10 +358,22 @@ def _ctx_device_error(name, device, ctx_device):
 _flag = _core._as_bool  # True or False (a numpy.bool_ too)
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _scalar(value, argument) -> float:
+    """alpha or beta: a real number the product can scale by in float32 (finite there)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{argument}: got {value!r}; it must be a real number", argument=argument)
-    return float(value)
+    try:
+        x = float(value)
+    except OverflowError:
+        x = float("inf")
+    if not abs(x) <= _FLOAT32_MAX:  # NaN too
+        raise ConfigError(f"{argument}: got {_brief(value)}; it must be finite in float32 (at most "
+                          f"3.4028235e38 in magnitude): the product scales by it in float32",
+                          argument=argument)
+    return x
 
 
 # ---------------------------------------------------------------------------------------
@@ -393,10 +419,21 @@ def _type_name(obj) -> str:
 
 
 def _tuned_problems(device):
-    """Problems of the in-process cache tuned (or loaded) for `device` on 256-aligned operands."""
+    """Problems of the in-process cache tuned (or loaded) for `device`, by (problem key,
+    alignments of a, b and c)."""
     known = {}
     for e in _core._gemm_cache_export(True):
-        if e["device"] != device or (e["align_a"], e["align_b"], e["align_c"]) != (256, 256, 256):
-            continue
-        known[_problem_key(e["problem"])] = e
+        if e["device"] == device:
+            known[(_problem_key(e["problem"]), (e["align_a"], e["align_b"], e["align_c"]))] = e
     return known
+
+
+def _packed_alignments(problem, itemsize):
+    """The alignments (bytes) the tuner records for a packed problem: 256, the most the cache
+    tells apart (its operands are pool blocks, aligned to more), lowered for a batch by the
+    batch stride's bytes, as every matrix after the first starts that far on."""
+    aligns = []
+    for stride in (problem["stride_a"], problem["stride_b"], problem["stride_c"]):
+        bits = 256 | (stride * itemsize if problem["batch"] > 1 else 0)
+        aligns.append(bits & -bits)
+    return tuple(aligns)

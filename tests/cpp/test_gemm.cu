@@ -571,6 +571,34 @@ TEST_CASE("gpu: export / import round trip, stale and foreign entries") {
   clear_gemm_cache();
 }
 
+TEST_CASE("gpu: untuned choices are bounded in number, tuned ones stay") {
+  // Every call signature seen leaves a choice; 4,146 signatures (m = 1..4146) must leave at
+  // most 4,096 untuned ones (kHeuristicEntryLimit), and the tuned entry made first survives.
+  clear_gemm_cache();
+  const GemmProblem tuned = packed_gemm_problem(F32, 64, 128, 256);
+  tune_gemm(*gpu().handle, gpu().stream, tuned, quick_options());
+  CHECK_EQ(export_gemm_cache().size(), size_t{1});
+  const int64_t rows = 4146;
+  DeviceAllocation a(0, rows * 8 * 4), b(0, 8 * 8 * 4), c(0, rows * 8 * 4);
+  INFERCTX_CUDA(cudaMemset(a.data(), 0, static_cast<size_t>(a.size())), 0);
+  INFERCTX_CUDA(cudaMemset(b.data(), 0, static_cast<size_t>(b.size())), 0);
+  INFERCTX_CUDA(cudaDeviceSynchronize(), 0);
+  int64_t most = 0;
+  for (int64_t m = 1; m <= rows; ++m) {
+    gemm(*gpu().handle, gpu().stream, packed_gemm_problem(F32, m, 8, 8), a.data(), b.data(), c.data(), 1.0f, 0.0f);
+    most = std::max(most, gemm_cache_size());
+  }
+  INFERCTX_CUDA(cudaStreamSynchronize(gpu().stream), 0);
+  std::printf("    (most entries at once: %lld, at the end: %lld)\n", static_cast<long long>(most),
+              static_cast<long long>(gemm_cache_size()));
+  CHECK(most <= 4096 + 1);
+  CHECK(gemm_cache_size() >= 1);
+  const auto kept = export_gemm_cache();
+  CHECK_EQ(kept.size(), size_t{1});
+  if (!kept.empty()) CHECK(same_problem(kept[0].problem, normalized_gemm_problem(tuned)));
+  clear_gemm_cache();
+}
+
 TEST_CASE("gpu: tuning arguments are checked") {
   GemmTuneOptions o = quick_options();
   o.max_algorithms = 0;

@@ -322,8 +322,9 @@ def test_apply_mask_takes_a_torch_byte_mask(torch):
 
 # ---- errors -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("p", [-0.1, 1.1, float("nan"), float("inf")])
+@pytest.mark.parametrize("p", [-0.1, 1.1, float("nan"), float("inf"), True, np.True_, np.False_])
 def test_p_outside_0_1_is_refused(torch, p):
+    # A flag is no probability: True, numpy's True_ (which has __float__) and False are refused.
     x = torch.ones(10, device="cuda")
     with pytest.raises(ConfigError) as e:
         inferctx.dropout(x, p)

@@ -181,7 +181,8 @@ class ClaimsCuda:
 
 
 @pytest.mark.parametrize("case", ["beta_without_out", "host_array", "not_an_array", "trans_not_bool",
-                                  "alpha_complex", "ctx_other_device", "bmm_tf32_not_bool"])
+                                  "alpha_complex", "ctx_other_device", "bmm_tf32_not_bool",
+                                  "alpha_past_float32", "alpha_huge_int", "beta_nan", "alpha_inf"])
 def test_argument_errors_name_the_argument(case):
     x = ClaimsCuda()
     call, argument, words = {
@@ -193,6 +194,11 @@ def test_argument_errors_name_the_argument(case):
         "ctx_other_device": (lambda: gm.gemm(x, x, ctx=types.SimpleNamespace(device=1)), "ctx",
                              ["cuda:0", "cuda:1"]),
         "bmm_tf32_not_bool": (lambda: gm.bmm(x, x, tf32="no"), "tf32", ["'no'"]),
+        # The product scales in float32: 1e39 would become inf there, silently.
+        "alpha_past_float32": (lambda: gm.gemm(x, x, alpha=1e39), "alpha", ["1e+39", "float32"]),
+        "alpha_huge_int": (lambda: gm.gemm(x, x, alpha=10**400), "alpha", ["float32"]),
+        "beta_nan": (lambda: gm.gemm(x, x, out=x, beta=float("nan")), "beta", ["nan"]),
+        "alpha_inf": (lambda: gm.gemm(x, x, alpha=float("-inf")), "alpha", ["-inf"]),
     }[case]
     with pytest.raises(ConfigError) as info:
         call()
@@ -213,14 +219,19 @@ class StubTuner:
         self.tunes = []
         self.cache = []  # entries as _gemm_cache_export gives them
         self.imported = None
+        self.aligns = {}  # (batch, m, n, k) -> the (a, b, c) alignments a tune records; else 256s
+        self.fail_on = None  # (batch, m, n, k) whose tune raises
 
     def _gemm_tune(self, ctx, dtype, trans_a, trans_b, m, n, k, batch, tf32, max_algorithms, warmup,
                    repeats):
         self.tunes.append((dtype, trans_a, trans_b, m, n, k, batch, tf32, max_algorithms, warmup,
                            repeats))
+        if (batch, m, n, k) == self.fail_on:
+            raise MemoryError("out of device memory (a stand-in failure)")
         problem = _core._gemm_packed_problem(dtype, m, n, k, batch, trans_a, trans_b, tf32)
+        a, b, c = self.aligns.get((batch, m, n, k), (256, 256, 256))
         self.cache.append(dict(device=ctx.device, device_name="Fake GPU", cublas_version=130100,
-                               problem=problem, align_a=256, align_b=256, align_c=256, backend=0,
+                               problem=problem, align_a=a, align_b=b, align_c=c, backend=0,
                                algo=[1, 2, 3, 4, 5, 6, 7, 2**64 - 1], time_ms=0.5))
         return dict(backend=0, algo_index=2, algo=[1] * 8, algo_id=21, tile_id=3, stages_id=4,
                     splitk=1, default_ms=0.75, best_ms=0.5, candidates=9, valid=8,
@@ -265,6 +276,40 @@ def test_autotune_calls_the_tuner_with_packed_problems(tuner, capsys):
     assert len(tuner.tunes) == 3
 
 
+def test_batched_problems_whose_strides_lower_the_alignment_are_not_tuned_again(tuner):
+    # (32, 1, 1000, 128) fp16 with trans_b, packed: c's matrices are 1 x 1000, 2,000 bytes apart,
+    # so every one after the first is 16-byte aligned (2000 = 16 x 125): the tuner records
+    # align_c 16. a's are 128 elements (256 bytes) apart and b's 128,000 (256,000 bytes): 256.
+    tuner.aligns[(32, 1, 1000, 128)] = (256, 256, 16)
+    first = gm.autotune_gemm([(32, 1, 1000, 128)], "float16", trans_b=True, progress=False)
+    assert first[0]["skipped"] is False and len(tuner.tunes) == 1
+    again = gm.autotune_gemm([(32, 1, 1000, 128)], "float16", trans_b=True, progress=False)
+    assert again[0]["skipped"] is True and len(tuner.tunes) == 1
+    # An entry of the same problem at other alignments (a call on offset memory, say) is not
+    # the packed problem's tuning: that one is still tuned.
+    tuner.aligns[(4, 8, 8, 8)] = (16, 256, 256)
+    gm.autotune_gemm([(4, 8, 8, 8)], "float16", progress=False)
+    assert gm.autotune_gemm([(4, 8, 8, 8)], "float16", progress=False)[0]["skipped"] is False
+    assert len(tuner.tunes) == 3
+
+
+def test_a_failure_midway_keeps_the_tunings_made_before_it_in_the_file(tuner, tmp_path):
+    path = tmp_path / "gemm.json"
+    tuner.fail_on = (1, 16, 32, 64)
+    with pytest.raises(MemoryError):
+        gm.autotune_gemm([(8, 16, 32), (16, 32, 64), (32, 64, 128)], "float16", progress=False,
+                         cache_file=path)
+    assert len(tuner.tunes) == 2  # the third shape was not tried
+    entries = json.loads(path.read_text())["entries"]
+    assert [(e["m"], e["n"], e["k"]) for e in entries] == [(8, 16, 32)]
+    # Nothing tuned, nothing written: a failure on the first shape leaves no file.
+    other = tmp_path / "other.json"
+    tuner.fail_on = (1, 8, 8, 8)
+    with pytest.raises(MemoryError):
+        gm.autotune_gemm([(8, 8, 8)], "float16", progress=False, cache_file=other)
+    assert not other.exists()
+
+
 @pytest.mark.parametrize("shapes", [[(0, 4, 4)], [(4, 4)], [(1, 2, 3, 4, 5)], [("a", 2, 3)],
                                     "1x2x3", 7, [(True, 2, 3)], [(2**70, 1, 1)], [(1, 2**63, 1)]])
 def test_autotune_rejects_bad_shapes(tuner, shapes):
@@ -277,6 +322,7 @@ def test_autotune_rejects_bad_options(tuner):
     for kwargs, argument in [({"max_algorithms": 0}, "max_algorithms"), ({"repeats": 0}, "repeats"),
                              ({"warmup": -1}, "warmup"), ({"trans_a": 1}, "trans_a"),
                              ({"max_algorithms": 2**31}, "max_algorithms"), ({"repeats": 2**31}, "repeats"),
+                             ({"max_algorithms": 257}, "max_algorithms"),
                              ({"warmup": 2**31}, "warmup")]:
         with pytest.raises(ConfigError) as info:
             gm.autotune_gemm([(4, 4, 4)], "bf16", progress=False, **kwargs)
@@ -284,6 +330,11 @@ def test_autotune_rejects_bad_options(tuner):
     with pytest.raises(ConfigError) as info:
         gm.autotune_gemm([(4, 4, 4)], "int8", progress=False)
     assert info.value.argument == "dtype"
+    # cuBLASLt's heuristic is asked for 1..256 candidates: the bounds themselves are taken.
+    assert tuner.tunes == []
+    gm.autotune_gemm([(4, 4, 4)], "bf16", progress=False, max_algorithms=256)
+    gm.autotune_gemm([(8, 8, 8)], "bf16", progress=False, max_algorithms=1)
+    assert [t[8] for t in tuner.tunes] == [256, 1]
 
 
 def test_the_few_row_kernel_is_named_gemv_in_results_and_the_cache_file(tuner, tmp_path):
@@ -607,6 +658,46 @@ def test_gpu_cupy_operands():
 
 
 @pytest.mark.gpu
+def test_gpu_torch_tensors_with_the_negative_bit_are_refused(ctx):
+    """z.conj().imag is a view whose memory holds the negation of its values (torch's negative
+    bit): read through its pointer, a product would have the wrong sign. Refused by name, on the
+    general path and on the torch fast path (whose layout a plain tensor made first)."""
+    import inferctx
+
+    torch = _torch()
+    a = torch.randn(8, 64, device="cuda")
+    b = torch.randn(64, 1, dtype=torch.complex64, device="cuda").conj().imag
+    assert b.is_neg() and b.stride() == (2, 2)
+    with pytest.raises(ConfigError, match="resolve_neg") as info:
+        gm.gemm(a, b)
+    assert info.value.argument == "b"
+    # The same layout from a plain tensor: strides (2, 2) too, and the fast path learns it.
+    plain = torch.randn(64, 1, 2, device="cuda")[:, :, 0]
+    assert plain.stride() == (2, 2) and not plain.is_neg()
+    torch.testing.assert_close(gm.gemm(a, plain), a @ plain)
+    with pytest.raises(ConfigError) as info:
+        gm.gemm(a, b)
+    assert info.value.argument == "b"
+    # alpha past float32's range, on the fast path too (the layout is known): refused, not inf.
+    with pytest.raises(ConfigError) as info:
+        gm.gemm(a, plain, alpha=1e39)
+    assert info.value.argument == "alpha"
+    out = torch.zeros(8, 1, 2, dtype=torch.complex64, device="cuda").conj().imag[:, :, 0]
+    assert out.is_neg()
+    with pytest.raises(ConfigError) as info:
+        gm.gemm(a, plain, out=out)
+    assert info.value.argument == "out"
+    # Resolved, it is an ordinary tensor: torch's product, sign and all.
+    torch.testing.assert_close(gm.gemm(a, b.resolve_neg()), a @ b)
+    # Dropout's fast path takes contiguous tensors; a one-element negated view is one.
+    x = torch.randn(1, dtype=torch.complex64, device="cuda").conj().imag
+    assert x.is_neg() and x.is_contiguous()
+    with pytest.raises(ConfigError) as info:
+        inferctx.dropout(x, 0.5)
+    assert info.value.argument == "x"
+
+
+@pytest.mark.gpu
 def test_gpu_autotune_then_gemm_and_cache_file(ctx, tmp_path, capsys):
     torch = _torch()
     gm.clear_gemm_cache()
@@ -818,3 +909,7 @@ def test_module_exports():
                                "load_gemm_cache", "clear_gemm_cache", "gemm_cache_entries"}
     assert all(callable(getattr(gm, name)) for name in gm.__all__)
     assert gm._scalar(2, "alpha") == 2.0 and type(gm._scalar(2, "alpha")) is float
+    # float32's largest finite value is taken, as are its negative and a NumPy float.
+    assert gm._scalar(3.4028234663852886e38, "alpha") == 3.4028234663852886e38
+    assert gm._scalar(-3.4028234663852886e38, "beta") == -3.4028234663852886e38
+    assert gm._scalar(np.float32(0.5), "alpha") == 0.5

@@ -11,13 +11,14 @@ import pytest
 from dlpack_ctypes import capsule_name, read
 from gpu_context import KV_SHAPE, ctx  # noqa: F401 (fixture)
 
+import inferctx
 from inferctx import ConfigError
 from inferctx.context import PinnedBuffer, Stream
 
 np = pytest.importorskip("numpy")
 
 
-@pytest.mark.parametrize("nbytes", [-1, True, 1.5, "8", None])
+@pytest.mark.parametrize("nbytes", [-1, True, 1.5, "8", None, np.True_])
 def test_size_is_checked_before_any_cuda_call(nbytes):
     with pytest.raises(ConfigError) as info:
         PinnedBuffer(nbytes)
@@ -101,6 +102,32 @@ def test_dlpack_devices():
     for device in ((2, 0), (1, 1), (7, 0)):
         with pytest.raises(BufferError):
             buf.__dlpack__(dl_device=device)
+
+
+@pytest.mark.gpu
+def test_a_copy_to_host_on_another_stream_is_done_before_later_writes_on_ctx_stream(ctx, torch):
+    """copy_to_host(stream=s) held back on `s` by a sleep kernel, then a kernel on ctx.stream
+    writing into the same view: the copy must get the bytes from before the write."""
+    k, v = ctx.kv_cache(0)
+    values = np.random.default_rng(1).standard_normal(k.size).astype(np.float16)
+    src = PinnedBuffer(k.nbytes)
+    np.frombuffer(src, dtype=np.float16)[:] = values
+    k.copy_from_host(src)
+    zeros = PinnedBuffer(v.nbytes)
+    np.frombuffer(zeros, dtype=np.uint8)[:] = 0
+    v.copy_from_host(zeros)
+    side = torch.cuda.Stream()
+    dst = PinnedBuffer(k.nbytes)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s: the copy waits behind it
+    k.copy_to_host(dst, stream=side)
+    inferctx.dropout(v, 0.0, out=k)  # ctx.stream (DeviceView operands): k becomes v's zeros
+    dst.synchronize()
+    assert np.array_equal(np.frombuffer(dst, dtype=np.float16), values)
+    # And the write did land after the copy.
+    after = PinnedBuffer(k.nbytes)
+    k.copy_to_host(after)
+    assert not np.frombuffer(after, dtype=np.float16).any()
 
 
 @pytest.mark.gpu

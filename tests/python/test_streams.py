@@ -9,8 +9,9 @@ import weakref
 import pytest
 from gpu_context import ctx  # noqa: F401 (fixture)
 
+import inferctx
 from inferctx import ConfigError
-from inferctx.context import Event, Stream
+from inferctx.context import Event, PinnedBuffer, Stream
 
 
 class CudaStreamProtocol:
@@ -30,9 +31,22 @@ class CudaStreamProperty:
         self.__cuda_stream__ = (0, handle)
 
 
+def _imitation(module, name):
+    """An object of a class `name` of `module` with CuPy's .ptr and .device_id: what CuPy's
+    memory pointers and events look like to a reader of attributes."""
+    cls = type(name, (), {"ptr": 0x7F00_0000_1000, "device_id": 0})
+    cls.__module__ = module
+    return cls()
+
+
 @pytest.mark.parametrize("source", [
     "stream", True, -1, 1 << 64, 2.0, object(), CudaStreamProtocol("h"), CudaStreamProtocol(-5),
     CudaStreamProperty(None),
+    # A .ptr is a stream handle on CuPy's streams only: CuPy's memory pointers and events (and
+    # inferctx's own views and buffers) have one too, an address or an event, which CUDA must
+    # never be asked about as a stream.
+    _imitation("cupy.cuda.memory", "MemoryPointer"), _imitation("cupy.cuda.stream", "Event"),
+    _imitation("inferctx._core", "DeviceView"), _imitation("mylib", "Stream"),
 ])
 def test_bad_sources_are_refused_before_any_cuda_call(source):
     with pytest.raises(ConfigError) as info:
@@ -114,6 +128,117 @@ def test_torch_and_cupy_streams():
     cupy = pytest.importorskip("cupy")
     cs = cupy.cuda.Stream(non_blocking=True)
     assert Stream(cs).handle == cs.ptr
+
+
+@pytest.mark.gpu
+def test_objects_with_a_ptr_that_are_no_stream_are_refused():
+    cupy = pytest.importorskip("cupy")
+    ctx = inferctx.InferenceContext.instance()
+    event = cupy.cuda.Event()
+    memory = cupy.zeros(4).data
+    for bad in (event, memory, ctx.workspace, PinnedBuffer(16)):
+        with pytest.raises(ConfigError) as info:
+            Stream(bad)
+        assert info.value.argument == "source"
+        with pytest.raises(ConfigError) as info:
+            ctx.use_stream(bad)
+        assert info.value.argument == "stream"
+        with pytest.raises(ConfigError) as info:
+            Stream().wait(bad)
+    # CuPy's streams, and subclasses of them, are still taken by their .ptr.
+    external = cupy.cuda.ExternalStream(cupy.cuda.Stream(non_blocking=True).ptr)
+    assert Stream(external).handle == external.ptr
+
+
+@pytest.mark.gpu
+def test_init_twice_is_refused_and_the_stream_lives_on(torch):
+    s = Stream()
+    handle = s.handle
+    ctx = inferctx.InferenceContext.instance()
+    ctx.use_stream(s)
+    try:
+        with pytest.raises(TypeError, match="twice"):
+            s.__init__()
+        with pytest.raises(TypeError, match="twice"):
+            s.__init__(torch.cuda.Stream())
+        assert s.handle == handle
+        x = torch.arange(64, dtype=torch.float32, device="cuda")
+        y, _ = inferctx.dropout(x, 0.0, stream=s)  # the stream exists: no CUDA error
+        assert torch.equal(y, x)
+    finally:
+        ctx.use_stream(None)
+
+
+@pytest.mark.gpu
+def test_a_live_stream_at_the_address_of_a_destroyed_one_is_taken(torch):
+    """CUDA may give a new stream the address of one destroyed before: a stream object of
+    another library there is live and must be taken; only a bare int at a destroyed inferctx
+    Stream's address is refused (CUDA cannot be asked about it)."""
+    cupy = pytest.importorskip("cupy")
+    ctx = inferctx.InferenceContext.instance()
+    x = torch.arange(64, dtype=torch.float32, device="cuda")
+    for _ in range(200):
+        s = Stream()
+        gone = s.handle
+        del s
+        gc.collect()
+        raw = cupy.cuda.runtime.streamCreateWithFlags(1)  # non-blocking
+        if raw == gone:
+            break
+        cupy.cuda.runtime.streamDestroy(raw)
+    else:
+        pytest.skip("CUDA gave no new stream the address of a destroyed one in 200 tries")
+    try:
+        live = cupy.cuda.ExternalStream(raw)
+        assert Stream(live).handle == raw
+        y, _ = inferctx.dropout(x, 0.0, stream=live)
+        assert torch.equal(y, x)
+        ctx.use_stream(live)
+        ctx.use_stream(None)
+        # The bare handle is still refused: inferctx cannot tell it from the destroyed stream.
+        with pytest.raises(ConfigError, match="destroyed") as info:
+            inferctx.dropout(x, 0.0, stream=raw)
+        assert info.value.argument == "stream"
+    finally:
+        torch.cuda.synchronize()
+        cupy.cuda.runtime.streamDestroy(raw)
+
+
+CUPY_CURRENT_STREAM_SCRIPT = """
+import gc, sys
+import cupy
+import inferctx
+assert "torch" not in sys.modules  # ctx.stream follows CuPy's current stream
+ctx = inferctx.InferenceContext.instance()
+s = cupy.cuda.Stream(non_blocking=True)
+handle = s.ptr
+with s:
+    st = ctx.stream
+assert st.handle == handle, (st.handle, handle)
+assert any(o is s for o in gc.get_referents(st)), "ctx.stream does not hold CuPy's stream"
+del s
+gc.collect()
+x = cupy.arange(1 << 20, dtype=cupy.float32)
+ctx.use_stream(st)  # a stream that still exists: no error
+y, _ = inferctx.dropout(x, 0.0, stream=st)
+st.synchronize()
+assert bool((y == x).all())
+ctx.use_stream(None)
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_ctx_stream_following_cupy_keeps_cupys_stream_alive():
+    """A borrowed stream keeps its source alive: ctx.stream, when it is CuPy's current stream,
+    holds CuPy's stream object (CuPy destroys the stream with it). In a child without torch."""
+    pytest.importorskip("cupy")
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", CUPY_CURRENT_STREAM_SCRIPT], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], (run.stdout, run.stderr[-3000:])
 
 
 @pytest.mark.gpu

@@ -13,8 +13,10 @@
 //     scale = (float)(1.0 / (1.0 - p))              (worked out in double, rounded once, as torch
 //                                                    rounds a Python float scalar for a float op)
 //     y_i   = kept ? to_dtype(fl32((float)x_i * scale)) : +0
-// so y equals torch's `x * mask * (1 / (1 - p))` bit for bit given the same mask.
-// to_dtype rounds to nearest even (identity for fp32). A dropped element is +0 whatever x_i is.
+// so, given the same mask, y equals `where(mask, x * (1 / (1 - p)), 0)` bit for bit, and torch's
+// `x * mask * (1 / (1 - p))` wherever they can agree: that product gives -0 for a dropped
+// negative x_i and NaN for a dropped infinity or NaN, where y is +0. to_dtype rounds to nearest
+// even (identity for fp32). A dropped element is +0 whatever x_i is.
 // (float)p == 0: y is a byte copy of x (NaN payloads and -0 kept), every mask bit/byte set.
 // (float)p == 1: y is all +0, the mask all clear.
 //
