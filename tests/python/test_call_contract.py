@@ -23,6 +23,16 @@ pytestmark = pytest.mark.gpu
 
 TRIALS = 200
 SLEEP_CYCLES = 200_000  # about 0.1 ms at the H200's clock: far longer than a launch
+# Each ordering trial's sleep: about 1 ms, longer than a trial takes on the host, so the caller's
+# stream is still busy (its queue grows from trial to trial) when the inferctx call is made; the
+# trials check that it is (_still_busy), or they would test nothing.
+TRIAL_SLEEP_CYCLES = 2_000_000
+
+
+def _still_busy(torch, trial):
+    assert not torch.cuda.current_stream().query(), (
+        f"trial {trial}: the caller's stream was idle when the call was made, so its ordering "
+        f"went untested; make TRIAL_SLEEP_CYCLES longer")
 
 
 @pytest.fixture
@@ -152,9 +162,10 @@ def _run_trials(torch, case, **kw):
     reads = []
     inputs = []
     for trial in range(TRIALS):
-        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        torch.cuda._sleep(TRIAL_SLEEP_CYCLES)
         case.produce(trial)
         r = case.call(**kw)
+        _still_busy(torch, trial)
         reads.append(case.read(r))
         inputs.append(case.a.clone())
     torch.cuda.synchronize()
@@ -263,9 +274,10 @@ def test_plain_dropout_result_and_bit_mask_read_right_after_the_call(torch, ctx,
     reads = []
     for trial in range(TRIALS):
         state = ctx.rng_state
-        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        torch.cuda._sleep(TRIAL_SLEEP_CYCLES)
         x.copy_(_ints(torch, (n,), 2000 + trial, tdt))  # the producer, after the sleep
         y, mask = inferctx.dropout(operand, 0.5)
+        _still_busy(torch, trial)
         reads.append((state, read(y), read(mask), x.clone()))
     torch.cuda.synchronize()
     for trial, (state, y, mask, x0) in enumerate(reads):
@@ -282,10 +294,11 @@ def test_kernel_then_sync_comp_then_comm_stream_read(torch, ctx):
     x = torch.empty(1 << 20, device="cuda", dtype=torch.float16)
     seen = []
     for trial in range(TRIALS):
-        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        torch.cuda._sleep(TRIAL_SLEEP_CYCLES)
         x.fill_(float(trial % 7 + 1))
         y, _ = inferctx.dropout(x, 0.0, mask=None)  # on torch's current stream
         ctx.sync_comp()  # no use_stream: ctx.stream is torch's current stream
+        _still_busy(torch, trial)
         y.record_stream(comm)  # torch's rule for a tensor used on another stream
         with torch.cuda.stream(comm):
             seen.append(y.sum(dtype=torch.float32))
@@ -312,17 +325,19 @@ def test_cupy_kernel_then_sync_comp_then_comm_stream_read_with_torch_imported(to
         x = cupy.empty(n, dtype=cupy.float32)
         for trial in range(TRIALS):
             with torch.cuda.stream(torch.cuda.ExternalStream(cs.ptr)):
-                torch.cuda._sleep(SLEEP_CYCLES // 4)  # on `cs`, before the producer
+                torch.cuda._sleep(TRIAL_SLEEP_CYCLES)  # on `cs`, before the producer
             x.fill(float(trial % 7 + 1))
             y, _ = inferctx.dropout(x, 0.0, mask=None)  # on `cs`: CuPy's current stream
             ctx.sync_comp()
+            assert not cs.done, f"trial {trial}: `cs` was idle at the call; ordering untested"
             with comm:
                 seen.append(y.sum())  # on the comm stream
                 z = cupy.empty(n, dtype=cupy.float32)
                 with torch.cuda.stream(torch.cuda.ExternalStream(comm.ptr)):
-                    torch.cuda._sleep(SLEEP_CYCLES // 4)
+                    torch.cuda._sleep(TRIAL_SLEEP_CYCLES)
                 z.fill(float(trial % 5 + 1))  # written on comm late
             ctx.sync_comm()
+            assert not comm.done, f"trial {trial}: comm was idle at sync_comm; ordering untested"
             back.append(z.sum())  # on `cs`, after the comm stream's fill
             alive.append((y, z))  # not freed while the other stream may still read them
     cs.synchronize()
@@ -766,13 +781,15 @@ def test_pool_block_is_not_reused_while_a_consumer_stream_reads_it(torch, ctx):
     y, _ = inferctx.dropout(x, 0.0, mask=None)
     y_ptr = y.ptr
     with torch.cuda.stream(side):
-        torch.cuda._sleep(SLEEP_CYCLES * 5)
+        torch.cuda._sleep(100_000_000)  # about 50 ms: far past gc.collect and the calls below
         t = torch.from_dlpack(y)  # consumer: the side stream (noted in the export)
         total = t.sum()
     del t, y
     gc.collect()
     z, _ = inferctx.dropout(x, 0.0, mask=None)  # may take y's block: only after `side`
     torch.from_dlpack(z).fill_(5.0)
+    # The side stream was still reading when z was made and written, or this tested nothing.
+    assert not side.query(), "the side stream finished before z was made; make its sleep longer"
     torch.cuda.synchronize()
     assert total.item() == float(1 << 18)  # the side stream read y's values, not z's 5.0
     del z, y_ptr, pool

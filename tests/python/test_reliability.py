@@ -723,11 +723,20 @@ class Soak:
         n = n or self.rng.choice(DROPOUT_SIZES)
         dtype = dtype or self.rng.choice(DTYPES)
         x = t.randn(n, device=self.device).to(tdtype(t, dtype))
+        seed, offset = self.ctx.rng_state  # what the call draws from: increment_offset(4)
         y, m = inferctx.dropout(x, DROPOUT_P)
         assert isinstance(y, t.Tensor) and y.dtype == x.dtype and m.dtype == t.int32
         ok, _ = dropout_matches(t, x, y, m, DROPOUT_P)
         assert ok, f"cycle {self.cycle_no}: dropout of {n} {dtype}"
+        self.check_mask(m, seed, offset, DROPOUT_P, n)
         self.counts["dropouts"] += 1
+
+    def check_mask(self, mask, seed, offset, p, n):
+        """The mask is the one the independent Philox reference gives at (seed, offset)."""
+        words = self.torch.from_dlpack(mask).cpu().numpy().view(np.uint32)
+        want = ref.pack_bits(ref.dropout_keep(seed, offset, p, n))
+        assert np.array_equal(words, want), (
+            f"cycle {self.cycle_no}: a dropout of {n} at offset {offset} drew another mask")
 
     def view_dropout(self):
         """dropout of a DeviceView (in the workspace): results come from the context's pool."""
@@ -736,12 +745,14 @@ class Soak:
         ws = t.from_dlpack(ctx.workspace)
         ws[:4 * n].view(t.float32).fill_(1.5)
         del ws
+        seed, offset = ctx.rng_state
         y, m = inferctx.dropout(ctx.workspace.view("float32", (n,)), 0.5)
         assert type(y).__name__ == "DeviceView" and type(m).__name__ == "DeviceView"
         yt, mt = t.from_dlpack(y), t.from_dlpack(m)
         keep = unpack_bits(t, mt, n)
         want = t.where(keep, t.tensor(3.0, device=self.device), t.tensor(0.0, device=self.device))
         assert t.equal(yt, want), f"cycle {self.cycle_no}: dropout of a DeviceView"
+        self.check_mask(mt, seed, offset, 0.5, n)
         self.counts["view dropouts"] += 1
 
     def gemm(self, shape=None, dtype=None):
@@ -970,12 +981,20 @@ def sticky_child(mode):
 def checked_sticky_child(mode):
     child = sticky_child(mode)
     if "skip" in child.notes:
+        # CuPy that this process can import must work in the child too: not a reason to skip.
+        import importlib.util
+
+        if "cupy" in child.notes["skip"] and importlib.util.find_spec("cupy") is not None:
+            pytest.fail("the child could not use CuPy, which is installed:\n" + describe(child))
         pytest.skip(child.notes["skip"])
     text = describe(child)
     assert not child.timed_out, "hang:\n" + text
     assert child.notes.get("calls_done") == "yes", text
     fault = child.notes.get("fault", "")
     assert fault and "not surfaced" not in fault, "the kernel fault did not surface:\n" + text
+    # The fault is CUDA's (an illegal address, a launch failure), not any exception of the setup.
+    assert any(word in fault.lower() for word in ("illegal", "launch failure", "cuda")), (
+        "the fault raised something other than a CUDA error:\n" + text)
     return child, text
 
 
