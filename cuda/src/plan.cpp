@@ -243,8 +243,13 @@ WorkspacePlan plan_workspace(const PlanRequest& request) {
     msg += "; would fit: ";
     for (size_t i = 0; i < hints.size(); ++i) msg += (i ? " or " : "") + hints[i];
   } else if (request.weights_bytes > request.free_bytes) {
-    msg += "; the weights alone do not fit: use a larger mp_size (weights split across ranks), a smaller "
-           "dtype, or a device with more memory";
+    // The reason (a.why) says the weights exceed free memory. Whether a larger mp_size or a
+    // smaller dtype would shrink them depends on where their bytes came from: the Python layer
+    // adds that advice when they came from the parameter count.
+  } else if (a.plan.budget_limit == "memory_limit" || a.plan.budget_limit == "memory_fraction") {
+    msg += "; no smaller batch_size or max_out_tokens fits within the " +
+           std::string(a.plan.budget_limit == "memory_limit" ? "memory_limit_bytes" : "memory_fraction") +
+           " asked for: raise it, or use a smaller dtype, mp_size or external_cache";
   } else {
     msg += "; no smaller batch_size or max_out_tokens fits: free memory, use a smaller dtype, mp_size or "
            "external_cache";

@@ -54,7 +54,9 @@ void validate_arguments(const PlanRequest& r) {
   if (r.shape.num_heads % r.mp_size != 0)
     invalid("mp_size", "num_heads=" + std::to_string(r.shape.num_heads) + " is not divisible by mp_size=" +
                            std::to_string(r.mp_size) + "; heads are split evenly across model-parallel ranks");
-  if (kv % r.mp_size != 0)
+  // The deepspeed policy sizes the KV cache with num_heads / mp_size, as DeepSpeed's GenWorkSpace
+  // does (it has no KV heads): num_kv_heads need not divide there.
+  if (kv % r.mp_size != 0 && r.policy != static_cast<int>(Policy::DeepSpeed))
     invalid("mp_size", "num_kv_heads=" + std::to_string(kv) + " is not divisible by mp_size=" +
                            std::to_string(r.mp_size) + "; KV heads are split evenly across model-parallel ranks");
   if (r.rank < 0 || r.rank >= r.mp_size)

@@ -25,7 +25,10 @@ class ModelShape:
         the weights' bytes; the presets carry it.
     """
 
-    __slots__ = ("num_layers", "num_heads", "hidden_dim", "num_kv_heads", "head_dim", "num_params")
+    _FIELDS = ("num_layers", "num_heads", "hidden_dim", "num_kv_heads", "head_dim", "num_params")
+    # _defaulted: the fields worked out from others (num_kv_heads, head_dim) rather than given,
+    # which replace() and pickling work out again rather than carry.
+    __slots__ = _FIELDS + ("_defaulted",)
     num_layers: int
     num_heads: int
     hidden_dim: int
@@ -61,6 +64,9 @@ class ModelShape:
             ("num_kv_heads", kv), ("head_dim", head), ("num_params", params))
         for name, field in values:
             object.__setattr__(self, name, field)
+        object.__setattr__(self, "_defaulted", frozenset(
+            name for name, given in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim))
+            if given is None))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"ModelShape is immutable: make a new one instead of setting {name}")
@@ -83,12 +89,19 @@ class ModelShape:
                 f"hidden_dim={self.hidden_dim}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}{extra})")
 
+    def _arguments(self) -> dict[str, Any]:
+        """The constructor's arguments: None for the fields it worked out itself."""
+        return {name: None if name in self._defaulted else value
+                for name, value in zip(self._FIELDS, self._key())}
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ModelShape, self._key())
+        return (ModelShape, tuple(self._arguments().values()))
 
     def replace(self, **changes: Any) -> ModelShape:
-        """A copy with some fields changed, e.g. ``shape.replace(num_kv_heads=8)``."""
-        fields: dict[str, Any] = dict(zip(self.__slots__, self._key()))
+        """A copy with some fields changed, e.g. ``shape.replace(num_kv_heads=8)``. Fields that
+        were not given but worked out (num_kv_heads = num_heads, head_dim = hidden_dim /
+        num_heads) are worked out again from the changed ones."""
+        fields = self._arguments()
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"ModelShape has no fields {sorted(unknown)}")

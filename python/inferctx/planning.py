@@ -238,20 +238,45 @@ def plan_workspace(shape: ModelShape | str, *, batch_size: int, prompt_len: int,
     return WorkspacePlan(fields, result, notes, shape=_as_shape(shape))
 
 
+# Past this many heads (no real model's) the mp_size hint is left out: finding the divisors of
+# the heads count takes up to its square root in steps.
+_MP_HINT_MOST_HEADS = 1 << 40
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of n (n >= 1), ascending."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
+
+
 def _mp_hint(shape: ModelShape, fields: dict[str, Any]) -> str | None:
     """For weights (from the parameter count) above free memory: the smallest mp_size that
     splits them below it, or the most the heads allow."""
     if shape.num_params is None or fields["weights_bytes"] <= fields["free_bytes"]:
         return None
-    most = math.gcd(shape.num_heads, shape.num_kv_heads)  # mp_size must divide both
-    for mp in range(fields["mp_size"] + 1, most + 1):
-        if most % mp == 0:
-            per_rank = int(_plan._weights_bytes(shape.num_params, fields["dtype"], mp))
-            if per_rank < fields["free_bytes"]:
-                return f"mp_size={mp} would put {human_bytes(per_rank)} of weights on each GPU"
+    deepspeed = fields["policy"] == POLICIES["deepspeed"]  # its KV cache splits num_heads only
+    most = shape.num_heads if deepspeed else math.gcd(shape.num_heads, shape.num_kv_heads)
+    if most > _MP_HINT_MOST_HEADS:
+        return None
+    for mp in _divisors(most):  # mp_size must divide every head count it splits
+        if mp <= fields["mp_size"]:
+            continue
+        per_rank = int(_plan._weights_bytes(shape.num_params, fields["dtype"], mp))
+        if per_rank < fields["free_bytes"]:
+            return f"mp_size={mp} would put {human_bytes(per_rank)} of weights on each GPU"
     per_rank = int(_plan._weights_bytes(shape.num_params, fields["dtype"], most))
-    return (f"even mp_size={most} (the most that divides num_heads={shape.num_heads} and "
-            f"num_kv_heads={shape.num_kv_heads}) leaves {human_bytes(per_rank)} of weights on each GPU")
+    heads = (f"num_heads={shape.num_heads}" if deepspeed else
+             f"num_heads={shape.num_heads} and num_kv_heads={shape.num_kv_heads}")
+    if most <= fields["mp_size"]:
+        return (f"no larger mp_size divides {heads}: it would take a device with more memory, or "
+                f"weights in a smaller dtype")
+    return (f"even mp_size={most} (the most that divides {heads}) leaves {human_bytes(per_rank)} "
+            f"of weights on each GPU")
 
 
 plan_workspace.__doc__ = "Plans a workspace without allocating anything.\n" + _PLAN_DOC_PARAMETERS

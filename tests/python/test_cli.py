@@ -495,7 +495,7 @@ def test_shape_flags_with_a_preset_are_named_as_flags(capsys, flags, message):
     (["--free-gb", "8", "--memory-limit-gb", "0.0001"],
      "WorkspaceOOMError: workspace does not fit: 0 tokens fit, fewer than --min-tokens=1; needs 720.00 KiB for "
      "1 token, free 8.00 GiB of 8.00 GiB, budget 104.86 KiB (--memory-limit-gb); no smaller --batch or --max-tokens "
-     "fits: free memory, use a smaller dtype, --mp-size or --external-cache"),
+     "fits within the --memory-limit-gb asked for: raise it, or use a smaller dtype, --mp-size or --external-cache"),
 ])
 def test_gib_flags_are_reported_in_gib_and_by_flag(capsys, flags, message):
     code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", *flags)

@@ -711,6 +711,8 @@ def test_gpu_dropout(gpu, data):
         kw["ctx"] = ctx_arg
 
     out = attempt(lambda: inferctx.dropout(xo, p, **kw), KERNEL_ERRORS, producer_ok=True)
+    # Carve-out: torch's own __dlpack__ refuses stream 2 (CUDA's per-thread default stream) with
+    # BufferError, which reaches the caller unchanged (README); the only refusal of a valid draw.
     if passed_through_from_producer(torch, context, out, kind == "dlpack", stream):
         return
     must_fail = (not _valid_p(p) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16)
@@ -723,6 +725,18 @@ def test_gpu_dropout(gpu, data):
                  or mask_out_how is not None and mask_mode is None)
     if must_fail:
         assert isinstance(out, Raised), f"expected a documented error, got {out!r}"
+    # Every other draw is valid by construction: x a CUDA float32/float16/bfloat16 array that is
+    # contiguous (or of at most one element), p in [0, 1], mask "bits", "bytes" or None, out None,
+    # x itself or a fresh contiguous array (a strided one of at most one element), mask_out None
+    # or the right size and dtype for the mask, the context's Philox state or an explicit one
+    # with an offset that is a multiple of 4, ctx None or the context, a stream of the device.
+    # Besides must_fail, one draw is invalid: a "short" mask_out (0 int32 words when n == 0) given
+    # for a bytes mask, which must be uint8 (_mask_arg refuses it, naming mask_out).
+    must_succeed = not must_fail and not (mask_out_how == "short" and mask_mode == "bytes")
+    if must_succeed:
+        draw = {"x": spec, "kind": kind, "p": p, "mask": mask_mode, "out": out_how, "mask_out": mask_out_how,
+                "philox": rng, "stream": stream, "ctx": ctx_arg}
+        assert not isinstance(out, Raised), f"a valid dropout was refused: {draw} -> {out!r}"
     if not isinstance(out, Raised):
         y, mask = out
         if "out" in kw:
@@ -794,13 +808,23 @@ def test_gpu_apply_mask(gpu, data):
     if out_how == "grad itself":
         kw["out"] = go
     out = attempt(lambda: inferctx.apply_mask(go, mask, p, **kw), KERNEL_ERRORS, producer_ok=True)
+    # Carve-out: torch's own __dlpack__ refuses stream 2 (as in test_gpu_dropout).
     if passed_through_from_producer(torch, context, out, kind == "dlpack", stream):
         return
-    if (not _valid_p(p) or grad.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-            or grad.device.type != "cuda" or mask_how in ("float", "cpu") or streams.bad(stream)
-            or (not grad.is_contiguous() and n > 1) or mask_how == "strided" and n > 1
-            or (mask_how == "other n") or out_how in ("wrong dtype", "cpu")):
+    must_fail = (not _valid_p(p) or grad.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+                 or grad.device.type != "cuda" or mask_how in ("float", "cpu") or streams.bad(stream)
+                 or (not grad.is_contiguous() and n > 1) or mask_how == "strided" and n > 1
+                 or (mask_how == "other n") or out_how in ("wrong dtype", "cpu"))
+    if must_fail:
         assert isinstance(out, Raised), f"expected a documented error, got {out!r}"
+    # Every other draw is valid by construction: grad a contiguous CUDA float32/float16/bfloat16
+    # array, p in [0, 1], a contiguous CUDA mask of n bytes (uint8, bool, int8) or ceil(n / 32)
+    # words (int32, uint32, 1-D or 2-D), out None, grad itself or a fresh array like grad, and a
+    # stream of the device.
+    must_succeed = not must_fail
+    if must_succeed:
+        draw = {"grad": spec, "kind": kind, "p": p, "mask": mask_how, "out": out_how, "stream": stream}
+        assert not isinstance(out, Raised), f"a valid apply_mask was refused: {draw} -> {out!r}"
     if not isinstance(out, Raised):
         if out_how is not None:
             assert out is kw["out"]
@@ -835,6 +859,11 @@ def test_gpu_partially_overlapping_out(gpu, data):
     else:
         mask = torch.from_numpy(ref.pack_bits(keep).view(np.int32)).to(x.device)
         out = attempt(lambda: inferctx.apply_mask(x, mask, p, out=o), KERNEL_ERRORS)
+    # buf[:n] and buf[shift:] share no element when shift >= n: out is a separate array then,
+    # and every other argument is valid by construction (a partial overlap may be refused).
+    if shift >= n:
+        assert not isinstance(out, Raised), \
+            f"{entry} with out apart from x was refused: {dtype} n={n} shift={shift} p={p} -> {out!r}"
     if not isinstance(out, Raised):
         torch.cuda.synchronize()
         _check_dropout_values(torch, x0, o, keep, p)
@@ -847,6 +876,26 @@ def _gemm_bound(dtype, tf32):
     if dtype == "float32":
         return 1e-3 if tf32 else 1e-5
     return 1e-2
+
+
+def _stored_row_major(r, c, sr, sc):
+    """Whether an r x c matrix with strides (sr, sc) (elements) is stored row-major: the elements
+    of a row adjacent and the rows at least c apart (nothing is asked of sizes 0, nor of a
+    dimension of size 1)."""
+    if r == 0 or c == 0:
+        return True
+    return (c == 1 or sc == 1) and (r == 1 or sr >= c)
+
+
+def _gemm_readable(t):
+    """Whether gemm / bmm read the tensor's matrices in place by the rule their docstrings and
+    refusals state: "one of its last two dimensions must have stride 1 and the other a stride
+    at least its length" (row- or column-major), with a batch stride >= 0."""
+    if t.dim() < 2 or (t.dim() == 3 and t.stride(0) < 0):
+        return False
+    r, c = t.shape[-2:]
+    sr, sc = t.stride()[-2:]
+    return _stored_row_major(r, c, sr, sc) or _stored_row_major(c, r, sc, sr)
 
 
 @pytest.mark.gpu
@@ -892,7 +941,9 @@ def test_gpu_gemm_and_bmm(gpu, data):
                                          "shift": 1 + s % 7, "seed": s}
     a = make(torch, spec(a_shape, dtype, la, seed), dev)
     b = make(torch, spec(b_shape, b_dtype, lb, seed + 1), dev)
-    out_shape = (m, n) if ndim == 2 else (max(batch, b_batch), m, n)
+    # A batch of 1 broadcasts against the other batch, 0 included (torch.matmul's rule: (0, m, k)
+    # with (1, k, n) gives (0, m, n)).
+    out_shape = (m, n) if ndim == 2 else (b_batch if batch == 1 else batch, m, n)
     c0 = None
     kw = {"trans_a": trans_a, "trans_b": trans_b, "alpha": alpha, "beta": beta, "tf32": tf32}
     td = _torch_dtype(torch, dtype)
@@ -931,6 +982,7 @@ def test_gpu_gemm_and_bmm(gpu, data):
         kw["out"] = as_kind(torch, kw["out"], kinds[2], context)
     fn = getattr(inferctx, entry)
     out = attempt(lambda: fn(ao, bo, **kw), KERNEL_ERRORS, producer_ok=True)
+    # Carve-out: torch's own __dlpack__ refuses stream 2 (as in test_gpu_dropout).
     if passed_through_from_producer(torch, context, out, "dlpack" in kinds, stream):
         return
     must_fail = (b_dtype != dtype or a_dim != ndim or not isinstance(trans_a, bool)
@@ -941,6 +993,24 @@ def test_gpu_gemm_and_bmm(gpu, data):
                  or ndim == 3 and b_batch not in (batch, 1) and batch != 1)
     if must_fail:
         assert isinstance(out, Raised), f"expected a documented error, got {out!r}"
+    # Valid by construction, besides not must_fail: alpha and beta finite (NaN and inf are
+    # refused: the product scales by them in float32), a and b each readable in place (the
+    # "strided" and "expanded" layouts are not, unless their sizes make the odd stride not
+    # matter), and out None or an array of its own of the right shape and dtype that is
+    # readable in place ("fresh", "column-major", "padded"; "expanded" where it is readable,
+    # i.e. m <= 1 or n == 0). "alias a" / "alias b" share an input's memory (refused) or
+    # have another shape, so they are never required.
+    must_succeed = (not must_fail and math.isfinite(float(alpha)) and math.isfinite(float(beta))
+                    and _gemm_readable(a) and _gemm_readable(b)
+                    and (out_how in (None, "fresh", "column-major", "padded")
+                         or out_how == "expanded" and _gemm_readable(c)))
+    if must_succeed:
+        draw = {"entry": entry, "dtype": dtype, "mnk": (m, n, k), "batch": (batch, b_batch),
+                "trans": (trans_a, trans_b), "tf32": tf32, "alpha": alpha, "beta": beta,
+                "layouts": (la, lb), "shapes": (tuple(a.shape), tuple(b.shape)),
+                "strides": (a.stride(), b.stride()), "kinds": kinds, "out": out_how, "stream": stream,
+                "ctx": ctx_arg}
+        assert not isinstance(out, Raised), f"a valid {entry} was refused: {draw} -> {out!r}"
     if isinstance(out, Raised):
         healthy(torch, context)
         return
@@ -1090,6 +1160,18 @@ def test_gpu_hostile_operands(gpu, how, role, p, seed):
                "dlpack device says CPU", "interface raises", "interface raises TypeError", "stream True",
                "stream str"):
         assert isinstance(out, Raised), f"{how} as {role} gave {out!r}"
+    # Every HONEST case (t's own memory, honestly described; "stream 2" names a real stream for
+    # the producer's pending work) is a valid call: it must succeed. Carve-out: "honest dlpack
+    # without device" has no __dlpack_device__, which DLPack's Python protocol asks of every
+    # producer; gemm reads the device before importing (gemm.py's _device_hint) and refuses such
+    # an operand with ConfigError naming it, where dropout and apply_mask import it to learn the
+    # device. For gemm it may be refused that way, and only that way.
+    no_device_for_gemm = how == "honest dlpack without device" and role in ("a", "b", "c")
+    if honest and not no_device_for_gemm:
+        assert not isinstance(out, Raised), f"honest {how} as {role} (p={p}, seed={seed}) was refused: {out!r}"
+    if no_device_for_gemm and isinstance(out, Raised):
+        assert isinstance(out.exc, ConfigError) and out.exc.argument == {"a": "a", "b": "b", "c": "out"}[role], \
+            f"{how} as {role}: {out!r}"
     healthy(torch, context)
 
 
@@ -1151,8 +1233,11 @@ def test_gpu_misaligned_operands_in_a_child_process(torch):
     child = subprocess.run([sys.executable, "-c", MISALIGNED_SCRIPT], capture_output=True, text=True,
                            timeout=300)
     lines = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+    # An element-aligned operand is valid (the buffer is large enough for every shape at every
+    # offset): a result is due, a ConfigError there is a false refusal.
     bad = [r for r in lines if r["then"] is not True or r["outcome"] not in ("result", "ConfigError")
-           or (r["outcome"] == "result" and not r["aligned"])]
+           or (r["outcome"] == "result" and not r["aligned"])
+           or (r["aligned"] and r["outcome"] != "result")]
     assert child.returncode == 0 and not bad, (child.returncode, bad, child.stderr[-3000:])
     assert len(lines) == 2 * 16 * 4
 
@@ -1251,9 +1336,19 @@ def test_gpu_context_methods(gpu, ops):
                 assert isinstance(out, Raised) and isinstance(out.exc, ConfigError), out
             elif not isinstance(out, Raised):
                 assert context.released
+            # force is a bool by construction. Under virtual memory neither views alive nor an
+            # earlier release stops a release (release_workspace's docstring: views are no
+            # obstacle; nothing to do when no workspace is held). Under the cudaMalloc fallback
+            # views alive refuse it (WorkspaceInUseError), so nothing is required there.
+            if isinstance(keep, bool) and context.addresses_stable:
+                assert not isinstance(out, Raised), \
+                    f"release_workspace({force}, keep_contents={keep}) refused (released={released}): {out!r}"
             released = context.released
         elif op == "retake":
             out = attempt(context.retake_workspace, CONTEXT_ERRORS)
+            # The fixture's plan is in force: a released workspace is taken back (the memory it
+            # gave up is free again), a held one needs nothing.
+            assert not isinstance(out, Raised), f"retake_workspace refused (released={released}): {out!r}"
             if not isinstance(out, Raised):
                 assert out is True
             released = context.released
@@ -1274,7 +1369,10 @@ def test_gpu_context_methods(gpu, ops):
             out = attempt(lambda: torch.from_dlpack(view), DLPACK_ERRORS)
             if released and context.addresses_stable:
                 assert isinstance(out, Raised), out
-            elif not isinstance(out, Raised):
+            elif not released:  # a view of the held workspace (or, under the fallback, of a detached one)
+                assert not isinstance(out, Raised), \
+                    f"export of {view!r} refused while the workspace is held: {out!r}"
+            if not isinstance(out, Raised):
                 assert out.data_ptr() == view.ptr or view.nbytes == 0
                 del out
         assert context.current_tokens == tokens
@@ -1313,10 +1411,35 @@ def test_gpu_gen_workspace_odd_arguments(gpu, data):
     }
     if data.draw(st.booleans(), label="fraction"):
         kwargs["memory_fraction"] = data.draw(st.sampled_from([0.5, 0.0, 1.0, 1.5, float("nan"), -0.1]))
+    # The arguments whose value is odd (outside the valid range of its plain strategy, or a value
+    # the planner refuses on its own: prompt_len 0, since it must be >= 1), and those two that
+    # the planner refuses against max_out_tokens (min_out_tokens or prompt_len above it). The
+    # model shape is valid by construction (kv heads divide heads, hidden = heads x head_dim).
+    def plain_int(name, low, high):
+        value = kwargs[name]
+        return type(value) is int and low <= value <= high
+
+    odd_args = {name for name, plain in (
+        ("batch_size", plain_int("batch_size", 1, 8)),
+        ("prompt_len", plain_int("prompt_len", 1, 64)),
+        ("max_out_tokens", plain_int("max_out_tokens", 1, 512)),
+        ("min_out_tokens", plain_int("min_out_tokens", 1, 64)),
+        ("dtype", kwargs["dtype"] in ("float16", "bf16", "float32")),
+        ("memory_limit_bytes", plain_int("memory_limit_bytes", 1, 256 * MIB)),
+        ("external_cache", type(kwargs["external_cache"]) is bool),
+        ("memory_fraction", kwargs.get("memory_fraction", 0.5) in (0.5, 1.0)),
+    ) if not plain}
+    max_out = kwargs["max_out_tokens"]
+    for name in ("min_out_tokens", "prompt_len"):
+        if type(kwargs[name]) is int and type(max_out) is int and kwargs[name] > max_out:
+            odd_args.add(name)
     before_plan, before_bytes = context.plan, context.workspace_bytes
     out = attempt(lambda: context.gen_workspace(shape, **kwargs), CONTEXT_ERRORS + (CudaError,))
     if isinstance(out, Raised):
         assert not isinstance(out.exc, CudaError), out  # listed only to report it as such
+        if isinstance(out.exc, ConfigError):  # it names what was wrong: one of the odd arguments
+            assert out.exc.argument in odd_args, \
+                f"ConfigError names {out.exc.argument!r}; the odd arguments: {sorted(odd_args)}; {out!r}"
         assert context.plan is before_plan and context.workspace_bytes == before_bytes
         assert not context.released
     else:
@@ -1380,6 +1503,10 @@ def test_gpu_device_view_exports(gpu, data):
     alive = context.views_alive
     out = attempt(lambda: view.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device,
                                           copy=copy), DLPACK_ERRORS + (TypeError,))
+    if stream is None and max_version is None and dl_device is None and copy is None:
+        # Every argument at its default (a legacy capsule of the view itself, ordered on the
+        # legacy default stream), on a held workspace: always valid.
+        assert not isinstance(out, Raised), f"__dlpack__() of a {source} view {view!r} was refused: {out!r}"
     if isinstance(out, Raised) and isinstance(out.exc, TypeError):
         assert not (max_version is None or (isinstance(max_version, tuple) and len(max_version) == 2
                                             and all(isinstance(v, int) for v in max_version))), out
@@ -1490,6 +1617,23 @@ def test_gpu_autotune_gemm(gpu, data, tmp_path_factory):
                                                  max_algorithms=max_algorithms, warmup=0, repeats=repeats,
                                                  progress=False, cache_file=path, ctx=context),
                   (ConfigError, CudaError, WorkspaceStateError))
+    # Valid by construction: a non-empty list of the valid shapes (or the one shape (4, 4, 4)
+    # given bare, one problem, as the checks below read it), a dtype name or alias or the torch
+    # dtype of one, max_algorithms 1 or 2, repeats 1, and no cache file or a new one. The other choices are
+    # invalid: shapes [(0, 1, 1)], [(1, 2)], [("a", 2, 3)] or None; dtype "int8" or None;
+    # max_algorithms 0, 257, -1 or 1.5; repeats 0; a cache file that is not JSON. Left out either
+    # way: shapes [] (nothing to tune; the docstring neither allows nor refuses it).
+    valid_shapes = ((isinstance(shapes, list) and len(shapes) > 0
+                     and all(s in ((8, 8, 8), (1, 16, 8), (2, 8, 16, 8), (3, 5, 7)) for s in shapes))
+                    or shapes == (4, 4, 4))
+    valid_dtype = (dtype is torch.float16
+                   or isinstance(dtype, str) and dtype in ("float16", "bfloat16", "float32", "fp16"))
+    valid = (valid_shapes and valid_dtype and type(max_algorithms) is int and max_algorithms in (1, 2)
+             and repeats == 1 and cache in (None, "file"))
+    if shapes != []:
+        draw = {"shapes": shapes, "dtype": dtype, "trans": (trans_a, trans_b), "max_algorithms": max_algorithms,
+                "repeats": repeats, "cache_file": cache}
+        assert isinstance(out, Raised) != valid, f"valid={valid}: {draw} -> {out!r}"
     if isinstance(out, Raised):
         assert not isinstance(out.exc, CudaError), out  # a CUDA failure from arguments is a finding
         healthy(torch, context)

@@ -198,6 +198,43 @@ def test_kv_heads_not_divisible_by_mp():
     assert info.value.argument == "mp_size" and "num_kv_heads=1" in str(info.value)
 
 
+def test_deepspeed_policy_needs_no_kv_heads_dividing_mp():
+    # DeepSpeed's GenWorkSpace sizes the cache by num_heads / mp_size; it has no KV heads. So an
+    # mp_size that splits the heads but not the KV heads is the deepspeed policy's to take:
+    # Llama-3-70B (64 heads, 8 KV) on 16 ranks, Falcon-7B (71 heads, 1 KV) on 71.
+    p = plan_workspace("llama-3-70b", **{**BASE, "mp_size": 16, "policy": "deepspeed"})
+    assert p.kv_heads_per_rank == 64 // 16
+    assert p.kv_tensor_bytes == 1 * 4 * p.max_tokens * 128 * 2  # batch 1, 4 heads, head 128, fp16
+    assert plan_workspace("falcon-7b", **{**BASE, "mp_size": 71,
+                                          "policy": "deepspeed"}).kv_heads_per_rank == 1
+    # The exact policy splits KV heads: it still refuses.
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-3-70b", **{**BASE, "mp_size": 16})
+    assert info.value.argument == "mp_size" and "num_kv_heads=8" in str(info.value)
+
+
+def test_model_shape_replace_works_out_again_what_was_not_given():
+    s = ModelShape(32, 32, 4096)
+    assert (s.head_dim, s.num_kv_heads) == (128, 32)
+    # head_dim and num_kv_heads were worked out, so they follow the changed fields.
+    assert s.replace(hidden_dim=8192) == ModelShape(32, 32, 8192)
+    assert s.replace(hidden_dim=8192).head_dim == 256
+    assert s.replace(num_heads=64).num_kv_heads == 64 and s.replace(num_heads=64).head_dim == 64
+    # Given ones are kept.
+    g = ModelShape(32, 32, 4096, num_kv_heads=8, head_dim=128)
+    assert g.replace(hidden_dim=8192).head_dim == 128
+    assert g.replace(num_heads=64).num_kv_heads == 8
+    # A pickle carries the difference: what was worked out is worked out again after it.
+    back = pickle.loads(pickle.dumps(s))
+    assert back == s and back.replace(hidden_dim=8192).head_dim == 256
+    assert pickle.loads(pickle.dumps(g)).replace(hidden_dim=8192).head_dim == 128
+    # The planner sees the new head size: 8192 / 32 = 256 per head, twice the KV cache per token.
+    kw = dict(BASE, max_out_tokens=1024, free_bytes=80 * GIB, total_bytes=80 * GIB)
+    assert (plan_workspace(s.replace(hidden_dim=8192), **kw).kv_tensor_bytes
+            == plan_workspace(ModelShape(32, 32, 8192), **kw).kv_tensor_bytes
+            == 1 * 32 * 1024 * 256 * 2)
+
+
 def test_deepspeed_policy_refuses_exact_only_knobs():
     with pytest.raises(ConfigError) as info:
         plan_workspace("llama-2-7b", policy="deepspeed", reserve_bytes=0, **BASE)
@@ -470,6 +507,50 @@ def test_weights_above_free_memory_say_which_mp_size_splits_them():
     assert str(info.value).endswith("even mp_size=8 (the most that divides num_heads=128 and num_kv_heads=8) "
                                     "leaves 94.50 GiB of weights on each GPU")
     assert pickle.loads(pickle.dumps(info.value)).message == info.value.message
+
+
+def test_weights_given_in_bytes_get_no_mp_size_advice():
+    # weights_bytes given is per GPU already: neither mp_size nor dtype changes it.
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=2048,
+                       free_bytes=20 << 30, total_bytes=20 << 30, weights_bytes=30 << 30, mp_size=8)
+    assert "mp_size" not in str(info.value) and "dtype" not in str(info.value)
+    assert str(info.value).endswith("the weights (30.00 GiB) exceed free memory 20.00 GiB; needs "
+                                    "160.00 KiB for 1 token, free 20.00 GiB of 20.00 GiB, 0 B after the "
+                                    "weights (30.00 GiB), budget 0 B (reserve)")
+
+
+def test_weights_no_larger_mp_size_can_split_say_so():
+    # Falcon-7B: 71 heads and 1 KV head, so mp_size 1 is the most; float32 weights
+    # (7,217,189,760 x 4 B = 26.89 GiB) do not fit an RTX 4090's 22.77 GiB.
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("falcon-7b", batch_size=1, prompt_len=1, max_out_tokens=16, gpu="rtx-4090",
+                       dtype="float32")
+    text = str(info.value)
+    assert "larger mp_size" not in text.replace("no larger mp_size", "")
+    assert text.endswith("no larger mp_size divides num_heads=71 and num_kv_heads=1: it would take a "
+                         "device with more memory, or weights in a smaller dtype")
+
+
+def test_mp_size_hint_for_a_huge_prime_head_count_is_quick():
+    import time
+
+    shape = ModelShape(1, 1_000_000_007, 1_000_000_007, num_params=10**15)
+    start = time.perf_counter()
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace(shape, batch_size=1, prompt_len=1, max_out_tokens=1, gpu="h100-80gb")
+    assert time.perf_counter() - start < 2.0
+    # Its only divisors are 1 and itself: 2e15 B / 1,000,000,007 is about 1.86 MiB a GPU.
+    assert "mp_size=1000000007 would put" in str(info.value)
+
+
+def test_a_memory_limit_that_stops_the_plan_is_named_in_the_advice():
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("llama-2-7b", **{**BASE, "memory_limit_bytes": 100_000})
+    assert "within the memory_limit_bytes asked for: raise it" in str(info.value)
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("llama-2-7b", **{**BASE, "memory_fraction": 1e-9})
+    assert "within the memory_fraction asked for: raise it" in str(info.value)
 
 
 @pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (1536, "1.50 KiB"),
