@@ -136,6 +136,9 @@ cdef class InferenceContext:
     # for the view accessors) under one lock, so that concurrent calls cannot interleave them;
     # use_stream's C++ stream and the Python object it keeps alive likewise.
     cdef readonly object _workspace_lock
+    # Releases that gave the workspace's contents up (release_workspace without keep_contents):
+    # a user of the contents (the reference decoder's KV cache) notes it and sees them gone.
+    cdef readonly int64_t _contents_epoch
     cdef object _stream_lock
     cdef object __weakref__
 
@@ -387,6 +390,8 @@ cdef class InferenceContext:
                 self._c.release_workspace(f, keep)
         finally:
             _note_released(self)
+            if not keep and _released_now(self):
+                self._contents_epoch += 1
 
     def retake_workspace(self):
         """Takes the released workspace back for the plan in force; returns True.

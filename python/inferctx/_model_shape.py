@@ -35,6 +35,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     num_params: int | None
+    _defaulted: frozenset[str]
 
     def __init__(self, num_layers: int, num_heads: int, hidden_dim: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, num_params: int | None = None) -> None:

@@ -223,6 +223,65 @@ def test_cpu_token_limit_batch_and_release(cpu):
     assert e.value.argument == "batch_size"
 
 
+def test_cpu_decoders_sharing_a_workspace_and_contents_given_up_are_refused(cpu):
+    torch = cpu
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+
+    spec = model_spec("llama-tiny")
+    ctx = CpuContext()
+    kw = dict(batch_size=2, prompt_len=8, max_new_tokens=6, dtype="float32", ctx=ctx)
+    a = ReferenceDecoder(build_hf_model(spec, seed=0), **kw)
+    b = ReferenceDecoder(build_hf_model(spec, seed=1), **kw)
+    assert a.plan is b.plan  # one request, one plan: the two share the context's workspace
+    gen = torch.Generator().manual_seed(3)
+    p, q = (torch.randint(0, spec.vocab_size, (2, 8), generator=gen) for _ in range(2))
+    alone = a.generate(p).tokens
+    a.prefill(p)
+    b.prefill(q)  # b's sequences now fill the KV cache a was reading
+    with pytest.raises(inferctx.WorkspaceStateError, match="another ReferenceDecoder prefilled"):
+        a.step()
+    b.step()  # b's own go on
+    assert torch.equal(a.generate(p).tokens, alone)  # a new generation is a's again
+    # The context's own release without keep_contents gives the KV cache up: steps are refused.
+    a.prefill(p)
+    ctx.release_workspace()
+    ctx.retake_workspace()
+    with pytest.raises(inferctx.WorkspaceStateError, match="released without keep_contents"):
+        a.step()
+    # With keep_contents the sequence goes on, and ends as it does alone.
+    a.prefill(p)
+    ctx.release_workspace(keep_contents=True)
+    ctx.retake_workspace()
+    for _ in range(5):
+        a.step()
+    assert torch.equal(a.out_ids[:, 8:14], alone)
+
+
+def test_cpu_generate_checks_its_new_tokens_and_batch_before_anything_runs(cpu):
+    torch = cpu
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+
+    spec = model_spec("llama-tiny")
+    ctx = CpuContext()
+    dec = ReferenceDecoder(build_hf_model(spec, seed=0), batch_size=2, prompt_len=8, max_new_tokens=6,
+                           dtype="float32", ctx=ctx)
+    assert ctx.max_token_length == 14  # 8 + 6
+    prompt = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4))
+    ctx.reset_tokens(0)
+    ctx.advance_tokens(3)
+    workspace = ctx.workspace.clone()
+    with pytest.raises(inferctx.TokenLimitError) as e:
+        dec.generate(prompt, max_new_tokens=20)  # 8 + 19 = 27 token slots of 14
+    assert "max_new_tokens <= 7 fits" in str(e.value) and e.value.limit == 14 and e.value.requested == 27
+    assert ctx.current_tokens == 3 and torch.equal(ctx.workspace, workspace)  # nothing ran
+    assert dec.generate(prompt, max_new_tokens=7).tokens.shape == (2, 7)  # the most that fits
+    # A shorter prompt leaves room for more: 3 + 11 = 14.
+    assert dec.generate(prompt[:, :3], max_new_tokens=12).tokens.shape == (2, 12)
+    with pytest.raises(inferctx.ConfigError) as e:
+        dec.generate(torch.zeros(0, 8, dtype=torch.long))
+    assert e.value.argument == "batch_size" and "0 sequences" in str(e.value)
+
+
 # -- the decoder on the GPU -----------------------------------------------------------------------
 
 PROMPT, STEPS = 16, 64
@@ -330,6 +389,25 @@ def test_replayed_steps_equal_eager_ones_bitwise(gpu, arch):
     assert graph is not None and dec._graph is graph
     assert torch.equal(first.logits, eager.logits) and torch.equal(again.logits, eager.logits)
     assert torch.equal(first.tokens, eager.tokens) and torch.equal(again.tokens, eager.tokens)
+
+
+@pytest.mark.gpu
+def test_a_pinned_prompt_may_be_written_again_as_soon_as_generate_returns(gpu):
+    # A serving loop reuses one page-locked staging buffer: generate() behind a busy caller's
+    # stream, then the next prompt written into the buffer at once. The generation must have read
+    # the prompt it was given.
+    torch = gpu
+    _, _, dec, prompt = _setup(torch, "llama", 2, "float16", new=4)
+    other = (prompt + 1) % 2048
+    want = dec.generate(prompt).tokens  # captures the graph (that synchronizes the device)
+    staging = prompt.cpu().pin_memory()
+    for trial in range(4):
+        staging.copy_(prompt.cpu())
+        torch.cuda._sleep(200_000_000)  # about 0.1 s on the caller's stream, before the generation
+        out = dec.generate(staging)
+        staging.copy_(other.cpu())  # the next prompt, written as soon as generate returns
+        torch.cuda.synchronize()
+        assert torch.equal(out.tokens, want), trial
 
 
 @pytest.mark.gpu

@@ -164,6 +164,7 @@ class CpuContext:
         self._released = False
         self._saved: torch.Tensor | None = None
         self._tokens = 0
+        self._contents_epoch = 0  # releases that gave the contents up, as InferenceContext counts
 
     def gen_workspace(self, shape: ModelShape, *, batch_size: int, prompt_len: int, max_out_tokens: int,
                       min_out_tokens: int = 1, dtype: str = "float16") -> WorkspacePlan:
@@ -226,6 +227,8 @@ class CpuContext:
     def release_workspace(self, force: bool = False, *, keep_contents: bool = False) -> None:
         self._saved = self._ws.clone() if keep_contents else None
         self._released = True
+        if not keep_contents:
+            self._contents_epoch += 1
 
     def retake_workspace(self) -> bool:
         if self._saved is not None:

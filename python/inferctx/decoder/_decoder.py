@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
-from ..errors import ConfigError, WorkspaceOOMError, WorkspaceStateError
+from ..errors import ConfigError, TokenLimitError, WorkspaceOOMError, WorkspaceStateError
 from . import _layers as L
 from ._backend import CpuBackend, CpuContext, GpuBackend, _Carver, _side_stream
 from ._fused import FusedOps, fused_ops, unfused
@@ -20,6 +21,10 @@ from ._models import TORCH_DTYPES, Weights
 from ._spec import ModelSpec, dtype_name
 
 __all__ = ["ReferenceDecoder", "Generation"]
+
+# The decoder whose sequences each context's workspace holds: the last to prefill on it. Decoders
+# with the same plan share the context's workspace (an equal request gives the plan in force).
+_HOLDER: weakref.WeakKeyDictionary[Any, weakref.ref[ReferenceDecoder]] = weakref.WeakKeyDictionary()
 
 
 def _too_long(exc: WorkspaceOOMError, s: ModelSpec, batch: int, prompt_len: int, new: int,
@@ -152,6 +157,7 @@ class ReferenceDecoder:
         self._stream = _side_stream(self.device) if self.backend.on_gpu else None
         self._graph: Any = None
         self._prefilled = False
+        self._epoch = -1  # ctx._contents_epoch at the prefill: the KV cache is gone once it moves
         self._unbound = False  # views dropped by release() under the cudaMalloc fallback
         self._state_small()
         self._bind()
@@ -390,7 +396,10 @@ class ReferenceDecoder:
             raise ConfigError(f"batch_size: the prompt has {rows} sequences but the decoder was planned for "
                               f"batch_size={self.batch}; make a ReferenceDecoder with batch_size={rows}",
                               argument="batch_size")
-        if not 1 <= n <= self.prompt_len or rows < 1:
+        if rows < 1:
+            raise ConfigError(f"batch_size: the prompt has 0 sequences; give 1..{self.batch} (batch_size)",
+                              argument="batch_size")
+        if not 1 <= n <= self.prompt_len:
             raise ConfigError(f"prompt_len: the prompt has {n} tokens per sequence; the decoder was planned "
                               f"for 1..{self.prompt_len} (prompt_len)", argument="prompt_len")
         lo, hi = torch.stack(torch.aminmax(prompt)).tolist()  # one synchronisation
@@ -399,6 +408,8 @@ class ReferenceDecoder:
                               argument="prompt")
         self._check_state("prefill")
         self._prefilled = False
+        _HOLDER[self.ctx] = weakref.ref(self)
+        self._epoch = self.ctx._contents_epoch
         self.ctx.reset_tokens(0)
         self.ctx.advance_tokens(n)
         caller = torch.cuda.current_stream(self.device) if self._stream is not None else None
@@ -406,7 +417,10 @@ class ReferenceDecoder:
             if self._stream is not None and caller is not None:
                 self._stream.wait_stream(caller)
             ids = self._prompt[:self.batch * n].view(self.batch, n)
-            ids[:rows].copy_(prompt, non_blocking=True)
+            # Asynchronous only from device memory (ordered by record_stream below): a copy from
+            # page-locked host memory would read it after this returns, when the caller may have
+            # written the next prompt there.
+            ids[:rows].copy_(prompt, non_blocking=prompt.device == self.device)
             if self._stream is not None and prompt.device == self.device:
                 prompt.record_stream(self._stream)  # read here: not reused before the copy
             if rows < self.batch:
@@ -436,6 +450,17 @@ class ReferenceDecoder:
         self._check_state("step")
         if not self._prefilled:
             raise WorkspaceStateError("step: no sequence in the KV cache; call prefill(prompt) or generate()")
+        holder = _HOLDER.get(self.ctx)
+        if holder is None or holder() is not self:
+            self._prefilled = False
+            raise WorkspaceStateError("step: another ReferenceDecoder prefilled on this context since (decoders "
+                                      "of one plan share its workspace, and the KV cache now holds its "
+                                      "sequences); call prefill(prompt) or generate() again")
+        if self.ctx._contents_epoch != self._epoch:
+            self._prefilled = False
+            raise WorkspaceStateError("step: the workspace was released without keep_contents since the prefill, "
+                                      "so the KV cache is gone; call prefill(prompt) or generate() again "
+                                      "(release(keep_contents=True) keeps it)")
         graph = self.use_graph if use_graph is None else bool(use_graph) and self.backend.on_gpu
         self.ctx.advance_tokens(1)  # raises TokenLimitError at max_token_length: nothing is launched
         with self._on_stream():
@@ -465,6 +490,16 @@ class ReferenceDecoder:
         graph = self.use_graph if use_graph is None else bool(use_graph) and self.backend.on_gpu
         on_gpu = self._stream is not None
         rows = prompt.shape[0] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 0
+        if rows:
+            # The prefill takes the prompt's tokens, each step one more: all must fit the KV cache
+            # (ctx.max_token_length), checked before anything is queued.
+            length, limit = int(prompt.shape[1]), int(self.ctx.max_token_length)
+            if 1 <= length <= limit and length + n - 1 > limit:
+                raise TokenLimitError(
+                    f"generate: max_new_tokens={n} after a prompt of {length} tokens needs {length + n - 1} "
+                    f"token slots, and the KV cache holds {limit} (ctx.max_token_length); "
+                    f"max_new_tokens <= {limit - length + 1} fits", current=0, requested=length + n - 1,
+                    limit=limit)
         logits = (torch.empty(n, max(rows, 1), self.spec.vocab_size, dtype=self.dtype, device=self.device)
                   if return_logits else None)
         marks: list[Any] = []
