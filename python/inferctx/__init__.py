@@ -3,7 +3,8 @@
 It plans and owns the inference workspace (activations, KV cache, attention scores), the
 cuBLAS handle, the compute and communication streams, the generated-token counter and the
 Philox RNG state, with the dropout and GEMM kernels that use them. Planning works without a
-GPU; every buffer is reachable from PyTorch, CuPy, JAX, Numba and NumPy without a copy.
+GPU; every buffer is reachable from PyTorch, CuPy, JAX and Numba without a copy (NumPy, which
+cannot read device memory, through a PinnedBuffer or a host copy).
 
 ``import inferctx`` and planning load no CUDA library: the GPU names (InferenceContext,
 DeviceView, PinnedBuffer, Stream, Event, dropout, apply_mask, gemm and the rest) load the GPU

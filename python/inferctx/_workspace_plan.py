@@ -243,8 +243,9 @@ class WorkspacePlan:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-serialisable): the request, the answer, where the memory figures come
-        from. ``plan.regions`` lists activations, kv_cache (all layers: layer l's K at
-        kv_cache_offset + l * kv_layer_stride, its V kv_value_offset after) and attention_scores."""
+        from. Its ``["plan"]["regions"]`` lists activations, kv_cache (all layers: layer l's K at
+        kv_cache_offset + l * kv_layer_stride, its V kv_value_offset after) and attention_scores
+        (the attribute ``plan.regions`` lists each layer's K and V on its own)."""
         request = {k: v for k, v in self._fields.items() if k not in ("dtype", "policy")}
         request["dtype"] = self.dtype
         request["policy"] = self.policy
