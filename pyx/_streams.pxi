@@ -1,6 +1,7 @@
 # Part of _core.pyx: CUDA streams (owned or borrowed) and events, and the stream objects of
 # other libraries turned into handles.
 
+cimport cython
 from libc.stdint cimport uintptr_t
 from libcpp.memory cimport unique_ptr
 
@@ -124,8 +125,11 @@ cdef int _handle_device(uintptr_t handle, int hint, str argument, object stream)
     return hint if ours else -1
 
 
+@cython.embedsignature(False)  # Cython writes the keyword-only marker last: (source=None, device=None, *)
 cdef class Stream:
-    """A CUDA stream: one this object created (destroyed with it) or one borrowed from its owner.
+    """Stream(source=None, *, device=None)
+
+    A CUDA stream: one this object created (destroyed with it) or one borrowed from its owner.
 
     ``Stream()`` creates a non-blocking stream on the current device (``device=`` to choose);
     ``Stream(s)`` wraps ``s``: a torch or CuPy stream, anything with ``__cuda_stream__``, or a
@@ -262,10 +266,12 @@ cdef Stream _borrowed_stream(uintptr_t handle, int device, object source):
     return stream
 
 
+@cython.embedsignature(False)  # as Stream's
 cdef class Event:
-    """A CUDA event on one device: record it on a stream, make streams wait for it, time with it.
+    """Event(device=None, *, timing=False)
 
-    ``Event(device=None, *, timing=False)``; ``timing=True`` is needed for ``elapsed_ms``.
+    A CUDA event on one device: record it on a stream, make streams wait for it, time with it.
+    ``timing=True`` is needed for ``elapsed_ms``.
     """
 
     cdef unique_ptr[CppEvent] _event

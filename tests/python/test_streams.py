@@ -54,6 +54,17 @@ def test_bad_sources_are_refused_before_any_cuda_call(source):
     assert info.value.argument == "source"
 
 
+def test_help_shows_the_keyword_only_arguments_where_they_are():
+    # Cython's embedded signature put the marker last, "Stream(source=None, device=None, *)",
+    # which says device may be positional; it may not.
+    import inspect
+
+    assert Stream.__doc__.startswith("Stream(source=None, *, device=None)\n")
+    assert Event.__doc__.startswith("Event(device=None, *, timing=False)\n")
+    assert "device=None, *)" not in Stream.__doc__ and "timing=False, *)" not in Event.__doc__
+    assert str(inspect.signature(Stream.wait)) == "(self, other)"
+
+
 def test_event_timing_must_be_a_bool():
     with pytest.raises(ConfigError) as info:
         Event(timing=1)
