@@ -256,26 +256,39 @@ std::vector<GemmCacheEntry> export_gemm_cache(bool tuned_only) {
   return entries;
 }
 
+namespace {
+
+void check_entry(const GemmCacheEntry& e) {
+  validate_gemm(e.problem);
+  if (e.problem.m < 1 || e.problem.n < 1 || e.problem.k < 1 || e.problem.batch < 1) {
+    reject("problem", "a cache entry needs m, n, k and batch >= 1; got m " + str(e.problem.m) + ", n " +
+                          str(e.problem.n) + ", k " + str(e.problem.k) + ", batch " + str(e.problem.batch));
+  }
+  if (e.device < 0) reject("device", "got " + str(e.device) + "; device ordinals are >= 0");
+  if (e.backend != static_cast<int>(GemmBackend::CublasLt) && e.backend != static_cast<int>(GemmBackend::Cublas) &&
+      e.backend != static_cast<int>(GemmBackend::Gemv)) {
+    reject("backend", "got " + str(e.backend) + "; valid: 0 (cublasLt), 1 (cublas), 2 (gemv)");
+  }
+  if (e.backend == static_cast<int>(GemmBackend::CublasLt) && e.algo.size() != kAlgoWords) {
+    reject("algo", "got " + str(static_cast<int64_t>(e.algo.size())) + " words; a cuBLASLt algorithm has 8");
+  }
+  const std::pair<const char*, int> aligns[3] = {{"align_a", e.align_a}, {"align_b", e.align_b}, {"align_c", e.align_c}};
+  for (const auto& [field, value] : aligns) {
+    if (value < 1 || value > kMaxAlignment || (value & (value - 1)) != 0) {
+      reject(field, "got " + str(value) + "; an alignment is a power of two from 1 to 256");
+    }
+  }
+}
+
+}  // namespace
+
 int64_t import_gemm_cache(const std::vector<GemmCacheEntry>& entries) {
-  for (const GemmCacheEntry& e : entries) {
-    validate_gemm(e.problem);
-    if (e.problem.m < 1 || e.problem.n < 1 || e.problem.k < 1 || e.problem.batch < 1) {
-      reject("problem", "a cache entry needs m, n, k and batch >= 1; got m " + str(e.problem.m) + ", n " +
-                            str(e.problem.n) + ", k " + str(e.problem.k) + ", batch " + str(e.problem.batch));
-    }
-    if (e.device < 0) reject("device", "got " + str(e.device) + "; device ordinals are >= 0");
-    if (e.backend != static_cast<int>(GemmBackend::CublasLt) && e.backend != static_cast<int>(GemmBackend::Cublas) &&
-        e.backend != static_cast<int>(GemmBackend::Gemv)) {
-      reject("backend", "got " + str(e.backend) + "; valid: 0 (cublasLt), 1 (cublas), 2 (gemv)");
-    }
-    if (e.backend == static_cast<int>(GemmBackend::CublasLt) && e.algo.size() != kAlgoWords) {
-      reject("algo", "got " + str(static_cast<int64_t>(e.algo.size())) + " words; a cuBLASLt algorithm has 8");
-    }
-    const std::pair<const char*, int> aligns[3] = {{"align_a", e.align_a}, {"align_b", e.align_b}, {"align_c", e.align_c}};
-    for (const auto& [field, value] : aligns) {
-      if (value < 1 || value > kMaxAlignment || (value & (value - 1)) != 0) {
-        reject(field, "got " + str(value) + "; an alignment is a power of two from 1 to 256");
-      }
+  for (size_t i = 0; i < entries.size(); ++i) {
+    try {
+      check_entry(entries[i]);
+    } catch (const ConfigError& e) {
+      // Which entry of the file (or list) it is, so that it can be found and mended.
+      throw ConfigError(e.argument, "entry " + std::to_string(i) + ": " + e.what());
     }
   }
   int count = 0;

@@ -284,7 +284,7 @@ def load_gemm_cache(path: Any) -> int:
     try:
         taken = _core._gemm_cache_import(converted)
     except ConfigError as exc:
-        raise ConfigError(f"path: {path} has an invalid entry: {exc}", argument="path") from exc
+        raise ConfigError(f"path: {path} has an invalid {exc}", argument="path") from exc  # "entry i: ..."
     if taken < len(entries):
         _log.info("load_gemm_cache: %d of %d entries in %s apply to this machine (the others were "
                   "tuned on another GPU, cuBLAS version or device)", taken, len(entries), path)

@@ -181,6 +181,20 @@ TEST_CASE("args: malformed cache entries are refused before anything is imported
   CHECK(config_error_argument([&] { import_gemm_cache({e}); }) == "lda");
   e.problem = packed_gemm_problem(BF16, 0, 16, 16);
   CHECK(config_error_argument([&] { import_gemm_cache({e}); }) == "problem");
+  // The error says which entry: here the second, after a valid one (which is not imported either).
+  GemmCacheEntry valid = e;
+  valid.problem = packed_gemm_problem(BF16, 16, 16, 16);
+  GemmCacheEntry bad = valid;
+  bad.align_c = 100;
+  std::string message;
+  try {
+    import_gemm_cache({valid, bad});
+  } catch (const ConfigError& err) {
+    CHECK(err.argument == "align_c");
+    message = err.what();
+  }
+  std::printf("    (%s)\n", message.c_str());
+  CHECK(contains(message, "entry 1: align_c: got 100"));
   CHECK_EQ(gemm_cache_size(), int64_t{0});
 }
 

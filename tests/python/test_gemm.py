@@ -453,6 +453,24 @@ def test_save_with_merge_checks_the_entries_it_keeps(tuner, tmp_path):
     assert missing.value.filename == str(tmp_path / "no-such-folder" / "gemm.json")  # the user's path
 
 
+_COMPILED_IMPORT = _core._gemm_cache_import  # the tuner fixture stands in for it
+
+
+def test_an_entry_the_compiled_checks_refuse_is_named_by_its_index(tuner, tmp_path, monkeypatch):
+    # An alignment of 100 is a number Python's reading takes; the compiled checks (a power of two
+    # up to 256) refuse it, before anything is imported and before any device is asked about.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    good = gm.gemm_cache_entries()[0]
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1,
+                                "entries": [good, dict(good, align=[256, 256, 100])]}))
+    monkeypatch.setattr(gm._core, "_gemm_cache_import", _COMPILED_IMPORT)
+    with pytest.raises(ConfigError) as info:
+        gm.load_gemm_cache(path)
+    assert info.value.argument == "path"
+    assert str(info.value).startswith(f"path: {path} has an invalid entry 1: align_c: got 100; ")
+
+
 def test_malformed_entries(tuner, tmp_path):
     gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
     good = gm.gemm_cache_entries()[0]
