@@ -91,6 +91,11 @@ def test_model_specs():
     with pytest.raises(inferctx.ConfigError) as e:
         model_spec("llama", num_kv_heads=5)
     assert e.value.argument == "num_kv_heads"
+    # RoPE turns pairs of dimensions: Llama's head size must be even; GPT-2 has no RoPE.
+    with pytest.raises(inferctx.ConfigError) as e:
+        model_spec("llama", hidden=36, num_heads=4, num_kv_heads=4)
+    assert e.value.argument == "head_dim" and "RoPE" in str(e.value)
+    assert model_spec("gpt2", hidden=36, num_heads=4).head_dim == 9
     for name in (["llama"], {}, None, 3):  # a list or dict is unhashable: no TypeError either
         with pytest.raises(inferctx.ConfigError) as e:
             model_spec(name)
@@ -126,6 +131,19 @@ def test_cpu_decoder_equals_hugging_face(cpu, name, batch):
     for step in range(12):
         assert _rel(out.logits[step], ref[step]) <= 1e-4, step
     assert torch.equal(out.logits.argmax(-1), ref.argmax(-1))
+
+
+def test_cpu_gpt2_with_an_odd_head_size_equals_hugging_face(cpu):
+    torch = cpu
+    from inferctx.decoder import (CpuContext, ReferenceDecoder, build_hf_model, hf_reference_logits,
+                                  model_spec)
+
+    spec = model_spec("gpt2-tiny", hidden=36, num_heads=4)  # heads of 9
+    hf = build_hf_model(spec, seed=0)
+    dec = ReferenceDecoder(hf, batch_size=2, prompt_len=5, max_new_tokens=4, dtype="float32", ctx=CpuContext())
+    prompt = torch.randint(0, spec.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    out = dec.generate(prompt, return_logits=True)
+    assert _rel(out.logits, hf_reference_logits(hf, prompt, out.tokens)) <= 1e-5
 
 
 def test_cpu_generate_kwargs_make_transformers_read_token_0_as_a_token(cpu):

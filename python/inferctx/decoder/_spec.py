@@ -69,8 +69,8 @@ class ModelSpec:
                                   f"num_heads={self.num_heads}; got {self.num_kv_heads}", argument="num_kv_heads")
             if self.head_dim * self.num_heads != self.hidden:
                 raise ConfigError("head_dim: GPT-2's head size is hidden / num_heads", argument="head_dim")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim: got {self.head_dim}; it must be even", argument="head_dim")
+        if self.arch == "llama" and self.head_dim % 2:  # RoPE turns pairs of dimensions
+            raise ConfigError(f"head_dim: got {self.head_dim}; Llama's RoPE needs it even", argument="head_dim")
 
     @property
     def group(self) -> int:
