@@ -386,6 +386,20 @@ def test_half_precision_argmax_equals_hugging_face_at_every_step(gpu, dtype, arc
 
 
 @pytest.mark.gpu
+def test_gpt2_with_an_odd_head_size_equals_hugging_face(gpu):
+    torch = gpu
+    from inferctx.decoder import ReferenceDecoder, build_hf_model, model_spec
+
+    spec = model_spec("gpt2-tiny", hidden=36, num_heads=4, vocab_size=2048)  # heads of 9
+    hf = build_hf_model(spec, seed=0)
+    dec = ReferenceDecoder(hf, batch_size=2, prompt_len=PROMPT, max_new_tokens=8, dtype="float32")
+    prompt = torch.randint(0, spec.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(0)).cuda()
+    out = dec.generate(prompt, return_logits=True)
+    ref = _reference(torch, hf, "float32", prompt, out.tokens)
+    assert max(_rel(out.logits[i], ref[i]) for i in range(8)) <= 1e-4
+
+
+@pytest.mark.gpu
 def test_gpt2_small(gpu):
     torch = gpu
     spec, hf, dec, prompt = _setup(torch, "gpt2-small", 1, "float16")
