@@ -77,9 +77,22 @@ cdef bint _released_now(InferenceContext ctx):
     return released
 
 
+cdef bint _settled(object x):
+    """Whether `x` cannot have changed since it was last seen: a value of an immutable kind. A
+    mutable one (a 0-d NumPy array, a one-element tensor: both index as ints) may have been
+    written in place, the same object with another value."""
+    t = type(x)
+    if t is int or t is str or t is float or t is bool or x is None:
+        return True
+    return t.__hash__ is not None and not hasattr(x, "__dlpack__")
+
+
 cdef bint _same_arguments(tuple a, tuple b):
-    """Equal values of equal types (True is not 1): the coerced request would be the same."""
+    """Equal values of equal types (True is not 1), none of them mutable: the coerced request
+    would be the same."""
     for x, y in zip(a, b):
+        if not _settled(x):
+            return False  # coerced again: its value now is what counts
         if x is not y and (type(x) is not type(y) or x != y):
             return False
     return True
@@ -136,9 +149,6 @@ cdef class InferenceContext:
     # for the view accessors) under one lock, so that concurrent calls cannot interleave them;
     # use_stream's C++ stream and the Python object it keeps alive likewise.
     cdef readonly object _workspace_lock
-    # Releases that gave the workspace's contents up (release_workspace without keep_contents):
-    # a user of the contents (the reference decoder's KV cache) notes it and sees them gone.
-    cdef readonly int64_t _contents_epoch
     cdef object _stream_lock
     cdef object __weakref__
 
@@ -347,6 +357,16 @@ cdef class InferenceContext:
         return n
 
     @property
+    def _contents_epoch(self):
+        """How many times the workspace's contents have been given up (InferenceContext::
+        contents_epoch): a user of them (the reference decoder's KV cache) notes it, and sees them
+        gone when it moves."""
+        cdef uint64_t n
+        with nogil:
+            n = self._c.contents_epoch()
+        return n
+
+    @property
     def host_copy_bytes(self):
         """Page-locked host memory held for ``release_workspace(keep_contents=True)`` (0: none)."""
         cdef int64_t n
@@ -390,8 +410,6 @@ cdef class InferenceContext:
                 self._c.release_workspace(f, keep)
         finally:
             _note_released(self)
-            if not keep and _released_now(self):
-                self._contents_epoch += 1
 
     def retake_workspace(self):
         """Takes the released workspace back for the plan in force; returns True.

@@ -187,6 +187,7 @@ cdef extern from "inferctx/context.hpp" namespace "inferctx" nogil:
         int64_t allocation_granularity()
         int64_t held_bytes()
         int64_t host_copy_bytes()
+        uint64_t contents_epoch()
         bool in_released_range(const void* p, int64_t bytes)
 
         int64_t current_tokens()

@@ -207,6 +207,7 @@ WorkspacePlan InferenceContext::gen_workspace_malloc(const PlanRequest& measured
     if (!fresh && can_free_old) {
       workspace_.reset();
       freed_old = true;
+      ++contents_epoch_;  // whatever follows, the old bytes are gone
       try {
         fresh = allocate_or_null(device_, next.workspace_bytes);
       } catch (...) {
@@ -258,8 +259,10 @@ WorkspacePlan InferenceContext::gen_workspace_malloc(const PlanRequest& measured
               "memory_limit_bytes, or a smaller batch_size / max_out_tokens",
           next.workspace_bytes, measured.free_bytes, measured.total_bytes, next.budget_bytes, -1, -1), remedy);
     }
-    // With views alive the old allocation is detached here and lives on in them.
+    // With views alive the old allocation is detached here and lives on in them. The new one
+    // holds the old bytes only where kept contents are copied in below.
     workspace_ = std::move(fresh);
+    if (!(was_released && contents_kept_)) ++contents_epoch_;
   }
   if (was_released && contents_kept_) {
     // Kept contents come back into the new allocation, as far as it reaches.
@@ -319,6 +322,11 @@ int64_t InferenceContext::held_bytes() const {
 int64_t InferenceContext::host_copy_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return host_copy_ ? host_copy_->size() : 0;
+}
+
+uint64_t InferenceContext::contents_epoch() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return contents_epoch_;
 }
 
 void InferenceContext::advance_tokens(int64_t n) {

@@ -35,6 +35,14 @@ bool InferenceContext::in_released_range(const void* p, int64_t bytes) const noe
 
 void InferenceContext::release_workspace(bool force, bool keep_contents) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (released_ && !keep_contents && contents_kept_) {
+    // Released with its contents kept, now released without: the host copy goes, as documented
+    // (it may be most of the host's memory), and the contents with it.
+    host_copy_.reset();
+    contents_kept_ = false;
+    ++contents_epoch_;
+    return;
+  }
   if (!workspace_ || released_) return;
   CurrentDeviceScope on(device_);
   if (!vmm_) {
@@ -70,6 +78,7 @@ void InferenceContext::release_workspace(bool force, bool keep_contents) {
       // Otherwise the memory is unmapped (or going); its contents are not to be trusted.
       released_ = true;
       contents_kept_ = false;
+      ++contents_epoch_;
       set_released_range(true);
       throw;
     }
@@ -84,6 +93,7 @@ void InferenceContext::release_workspace(bool force, bool keep_contents) {
   }
   released_ = true;
   contents_kept_ = keep_contents;
+  if (!keep_contents) ++contents_epoch_;
 }
 
 bool InferenceContext::retake_workspace() {

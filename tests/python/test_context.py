@@ -60,6 +60,23 @@ def test_instance_rejects_bad_device_before_touching_cuda(device):
 # -- one context per device -------------------------------------------------------------------
 
 @pytest.mark.gpu
+def test_gen_workspace_reads_a_mutable_argument_again(ctx):  # noqa: F811
+    """A 0-d NumPy array indexes as an int: written in place between two calls, the same object
+    holds another batch size, which the second call must plan for (not the first call's)."""
+    import numpy
+
+    from gpu_context import plan_small
+
+    batch = numpy.array(1)
+    first = plan_small(ctx, batch_size=batch)
+    batch[()] = 2
+    second = plan_small(ctx, batch_size=batch)
+    assert (first.batch_size, second.batch_size) == (1, 2)
+    assert ctx.plan.batch_size == 2
+    plan_small(ctx)
+
+
+@pytest.mark.gpu
 def test_one_context_per_device():
     current = _core._current_device()
     ctx0 = InferenceContext.instance()

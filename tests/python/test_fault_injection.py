@@ -486,6 +486,35 @@ def test_gpu_a_failed_unmap_is_retried_so_a_release_frees_the_workspace(faults):
 
 @pytest.mark.gpu
 @needs_hook
+def test_gpu_a_keep_contents_release_failing_after_its_copy_says_the_contents_are_gone(faults):
+    """A keep_contents release whose first cuMemUnmap fails (the copies to the host done, the
+    memory going): the release raises, the workspace is released, and its contents count as
+    given up (ctx._contents_epoch moves), so a KV cache's user does not decode from what the
+    retake maps afresh."""
+    if not faults.addresses_stable:
+        pytest.skip("virtual_memory: the cudaMalloc fallback unmaps nothing (its release is a cudaFree)")
+    for code in codes("virtual_memory"):
+        if faults.released:
+            faults.retake_workspace()
+        epoch = faults._contents_epoch
+        _core._fault_arm("virtual_memory", 1, code)  # the first chunk's cuMemUnmap
+        try:
+            with pytest.raises(CudaError) as info:
+                faults.release_workspace(keep_contents=True)
+            reached = _core._fault_calls("virtual_memory") >= 1
+        finally:
+            _core._fault_disarm_all()
+        assert reached and info.value.code == code
+        assert faults.released and faults.held_bytes == 0
+        assert faults._contents_epoch > epoch
+        faults.retake_workspace()
+        assert faults._contents_epoch > epoch  # the retake maps fresh memory: still gone
+    faults.release_workspace()  # any pinned host copy goes too
+    faults.retake_workspace()
+
+
+@pytest.mark.gpu
+@needs_hook
 def test_gpu_a_failed_autotune_keeps_the_cache_and_the_next_tunes(faults):
     """Every cuBLAS(Lt) call of a tuning fails in turn. (Its pool allocations are not failed one
     by one here: a tuning makes more than MAX_NTH of them.)"""

@@ -285,6 +285,28 @@ def test_a_kv_cache_survives_a_release_in_the_middle_of_a_generation(ctx, torch)
 
 
 @pytest.mark.gpu
+def test_the_contents_epoch_moves_exactly_when_the_contents_are_given_up(ctx, torch):
+    fresh_plan(ctx)
+    e = ctx._contents_epoch
+    ctx.release_workspace(keep_contents=True)  # kept: the same contents come back
+    assert ctx._contents_epoch == e and ctx.host_copy_bytes >= ctx.workspace_bytes
+    ctx.retake_workspace()
+    assert ctx._contents_epoch == e
+    # Released with its contents kept, then released without them: the host copy goes (it may be
+    # most of the host's memory), and with it the contents.
+    ctx.release_workspace(keep_contents=True)
+    ctx.release_workspace()
+    assert ctx.host_copy_bytes == 0 and ctx._contents_epoch == e + 1
+    ctx.retake_workspace()
+    ctx.release_workspace()  # given up again
+    assert ctx._contents_epoch == e + 2
+    ctx.release_workspace()  # already released, nothing kept: nothing more to give up
+    assert ctx._contents_epoch == e + 2
+    ctx.retake_workspace()
+    assert ctx._contents_epoch == e + 2
+
+
+@pytest.mark.gpu
 def test_release_waits_for_a_kernel_pending_on_another_stream(ctx, torch):
     fresh_plan(ctx, batch_size=64, max_out_tokens=1024)
     t = torch.from_dlpack(ctx.workspace)

@@ -74,6 +74,11 @@ class InferenceContext {
   int64_t held_bytes() const;
   // Page-locked host memory kept for release_workspace(keep_contents=true) (0 when none).
   int64_t host_copy_bytes() const;
+  // How many times the workspace's contents have been given up: a release without keep_contents
+  // (or one whose copy to the host could not be completed), an already released workspace's kept
+  // copy dropped, a regrow that freed the old workspace or moved to a new allocation without its
+  // bytes. A user of the contents (a KV cache) notes it and sees them gone when it moves.
+  uint64_t contents_epoch() const;
   // True when [p, p + bytes) overlaps a released workspace's addresses: work there would touch
   // unmapped memory. Lock-free, for the checks on every kernel operand.
   bool in_released_range(const void* p, int64_t bytes) const noexcept;
@@ -158,6 +163,7 @@ class InferenceContext {
   int64_t granularity_ = 0;
   std::unique_ptr<PinnedAllocation> host_copy_;
   bool contents_kept_ = false;  // host_copy_ holds the released workspace's bytes
+  uint64_t contents_epoch_ = 0;  // see contents_epoch()
   // The reserved range while the workspace is released under stable addresses, else [0, 0).
   std::atomic<uintptr_t> released_begin_{0}, released_end_{0};
   std::atomic<int64_t> tokens_{0};

@@ -174,6 +174,7 @@ class CpuContext:
         if self._plan is None or plan != self._plan:
             self._plan = plan
             self._ws = torch.full((plan.workspace_bytes,), 0xFF, dtype=torch.uint8)  # NaN in every dtype
+            self._contents_epoch += 1
         return self._plan
 
     @property
@@ -225,6 +226,11 @@ class CpuContext:
         return self._released
 
     def release_workspace(self, force: bool = False, *, keep_contents: bool = False) -> None:
+        if self._released:  # as InferenceContext: only a kept copy can still be given up
+            if not keep_contents and self._saved is not None:
+                self._saved = None
+                self._contents_epoch += 1
+            return
         self._saved = self._ws.clone() if keep_contents else None
         self._released = True
         if not keep_contents:
