@@ -32,8 +32,9 @@ cdef class PinnedBuffer:
 
     ``PinnedBuffer(nbytes)``; ``np.frombuffer(buf, dtype)`` or ``np.asarray(buf)`` view it
     (writable, no copy), ``np.from_dlpack(buf)`` too (DLPack device kDLCUDAHost, or kDLCPU when
-    the consumer asks for the CPU). Reading it through NumPy or DLPack, and ``synchronize()``,
-    first wait for the asynchronous copies queued to or from it.
+    the consumer asks for the CPU). Making such a view, and ``synchronize()``, first wait for the
+    asynchronous copies queued to or from it; an array made before a copy was queued is not
+    waited for when it is read: call ``synchronize()`` (or make the view anew) after the copy.
     """
 
     cdef unique_ptr[PinnedAllocation] _alloc
