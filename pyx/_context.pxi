@@ -323,7 +323,8 @@ cdef class InferenceContext:
 
     @property
     def views_alive(self):
-        """Views of the workspace alive now (DeviceViews, DLPack capsules, arrays made from them)."""
+        """DeviceView objects of the workspace alive now: a view counts once however many capsules
+        or arrays were made from it, and keeps counting while they keep it."""
         cdef int64_t n
         with nogil:
             n = self._c.views_alive()

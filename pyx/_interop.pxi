@@ -77,11 +77,30 @@ cdef int64_t _shape_size(tuple shape, int64_t itemsize, str argument) except -1:
             else:
                 size *= d
     if zero:
+        # No bytes, but the sizes after the last 0 still make C-contiguous strides, which must
+        # not wrap: (0, 2**62, 4) would have a first stride of 2**64 elements.
+        if _suffix_bytes(shape, itemsize) > INT64_MAX:
+            raise _ConfigError(f"{argument}: shape {shape} of {itemsize}-byte items has strides of "
+                               f"more than 2**63 - 1 bytes", argument=argument)
         return 0
     if too_big or size > INT64_MAX // itemsize:
         raise _ConfigError(f"{argument}: shape {shape} of {itemsize}-byte items is more than "
                            f"2**63 - 1 bytes", argument=argument)
     return size
+
+
+cdef object _suffix_bytes(tuple shape, int64_t itemsize):
+    """The largest C-contiguous stride of `shape`, in bytes (a Python int: it may pass int64):
+    the product of the sizes after the first one, from the last 0 on (a 0 makes the strides
+    before it 0)."""
+    span = itemsize
+    most = itemsize
+    for n in reversed(shape[1:]):
+        if n == 0:
+            break
+        span *= n
+        most = span
+    return most
 
 
 cdef CudaArray _cuda_array(uintptr_t ptr, tuple shape, tuple strides, int64_t size, int dtype,

@@ -34,14 +34,23 @@ cdef str _HOST_ACCESS_HINT = (
 cdef object _MAKE = object()
 
 
+class _NoTypestr(AttributeError, TypeError):
+    """A view of a dtype the CUDA array interface cannot describe (bfloat16). An AttributeError,
+    so that ``hasattr(view, "__cuda_array_interface__")`` (Numba's is_cuda_array, CuPy's and
+    JAX's checks) answers False and the consumer takes DLPack; a TypeError, as it was."""
+
+
 cdef class DeviceView:
     """A typed, C-contiguous window on device memory that keeps its allocation alive.
 
     Views come from an InferenceContext (``workspace``, ``kv_cache(layer)``, ``activations``,
     ``attention_scores``), from ``view()`` and from the kernels. Every consumer reaches the
     memory without a copy through DLPack (``torch.from_dlpack(view)``, ``cupy.from_dlpack``,
-    ``jax.dlpack.from_dlpack``) or ``__cuda_array_interface__`` (CuPy, Numba); the memory stays
-    allocated as long as the view or anything made from it is alive. Work on it is ordered by
+    ``jax.dlpack.from_dlpack``) or ``__cuda_array_interface__`` (CuPy, Numba; not for bfloat16,
+    which it cannot describe); the memory stays allocated as long as the view, or anything made
+    from it that keeps it (DLPack imports do, CuPy's and Numba's arrays do), is alive. JAX's
+    ``jnp.asarray(view)`` reads the array interface and keeps no reference: keep the view alive
+    as long as that array, or use ``jax.dlpack.from_dlpack(view)``. Work on it is ordered by
     its context's ``ctx.stream`` (torch's current stream in a torch program): DLPack and copies
     synchronise with it. Kernel results that are DeviceViews live in the device's stream-ordered
     pool (``ctx.memory_pool``).
@@ -177,6 +186,10 @@ cdef class DeviceView:
                                    argument="shape")
             dims = tuple(available // itemsize // known if n == -1 else n for n in dims)
             known *= available // itemsize // known
+        if known == 0 and _suffix_bytes(dims, itemsize) > INT64_MAX:
+            # No bytes, but its C-contiguous strides would wrap: (0, 2**62, 4) of uint8.
+            raise _ConfigError(f"shape: {dims} of {_DTYPE_NAMES[dt]} has strides of more than "
+                               f"2**63 - 1 bytes", argument="shape")
         if known * itemsize > available:
             raise _ConfigError(
                 f"shape: {dims} of {_DTYPE_NAMES[dt]} needs {known * itemsize} bytes; "
@@ -251,8 +264,8 @@ cdef class DeviceView:
         per-thread default stream, a handle otherwise; the consumer's stream then waits (on
         the GPU, by an event) for the work queued so far on ``ctx.stream``. -1 asks for no
         synchronisation. A versioned capsule comes back when ``max_version`` is
-        (1, 0) or newer. ``dl_device=(1, 0)`` (the CPU) gives a synchronous host copy flagged
-        IS_COPIED (refused with ``copy=False``); ``copy=True`` on the GPU gives a device copy.
+        (1, 0) or newer. ``dl_device=(1, 0)`` (the CPU) or ``(3, 0)`` (CUDA host memory) gives a
+        synchronous host copy flagged IS_COPIED (refused with ``copy=False``); ``copy=True`` on the GPU gives a device copy.
         """
         _require_accessible(self, "__dlpack__")
         cdef bint versioned = _wants_versioned(max_version)
@@ -289,7 +302,8 @@ cdef class DeviceView:
                                    self._dtype, versioned, DLPACK_FLAG_BITMASK_IS_COPIED)
         raise BufferError(
             f"__dlpack__: cannot export to dl_device={dl_device!r}; this DeviceView is on "
-            f"(2, {self._device}) (kDLCUDA) and can be copied to the CPU, (1, 0)")
+            f"(2, {self._device}) (kDLCUDA) and can be copied to the CPU, (1, 0), or to CUDA host "
+            f"memory, (3, 0)")
 
     def __dlpack_device__(self):
         """(2, device): kDLCUDA and the device ordinal."""
@@ -304,7 +318,7 @@ cdef class DeviceView:
         _require_accessible(self, "__cuda_array_interface__")
         typestr = _DTYPE_TYPESTRS[self._dtype]
         if typestr is None:
-            raise TypeError(
+            raise _NoTypestr(
                 f"__cuda_array_interface__: {_DTYPE_NAMES[self._dtype]} has no typestr in the "
                 f"CUDA array interface; use DLPack, which carries it: torch.from_dlpack(view), "
                 f"cupy.from_dlpack(view), jax.dlpack.from_dlpack(view)")

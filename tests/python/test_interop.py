@@ -114,10 +114,12 @@ def test_dlpack_import_reads_consumes_and_releases(versioned, with_strides):
 
 
 @pytest.mark.parametrize("shape,nbytes", [((2**62 + 1, 4), None), ((2**61, 2), None), ((2**62, 1), None),
-                                          ((-3, 4), None), ((2**62 + 1, 0), 0), ((2**61, 1), 2**62)])
+                                          ((-3, 4), None), ((2**62 + 1, 0), 0), ((2**61, 1), 2**62),
+                                          ((0, 2**62), None), ((0, 2**61), 0)])
 def test_dlpack_shape_whose_bytes_pass_int64_is_refused(shape, nbytes):
     """bfloat16 items: (2**62 + 1) * 4 wraps to 4 elements in int64; 2**61 * 2 elements are 2**63
-    bytes. A zero size makes any other size harmless; 2**62 bytes still count."""
+    bytes. A zero size makes the sizes before it harmless (their strides are 0); 2**62 bytes still
+    count, and so do the sizes after a 0: (0, 2**62) has a first stride of 2**63 bytes."""
     producer = CtypesProducer(True, False)
     producer.shape[0], producer.shape[1] = shape
     if nbytes is None:
@@ -419,12 +421,16 @@ def test_dlpack_import_stream_argument(ctx):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(2**63,), (2**64 + 1, 1), (2**62, 4), (3, 2**63 - 1)])
+@pytest.mark.parametrize("shape", [(2**63,), (2**64 + 1, 1), (2**62, 4), (3, 2**63 - 1), (0, 2**62, 4)])
 def test_new_view_of_a_shape_past_int64_is_refused_naming_shape(ctx, shape):
     """A size past int64 itself, and sizes whose float32 bytes pass it (2**62 * 4 * 4 bytes,
-    3 * (2**63 - 1) elements): ConfigError, not OverflowError, and nothing allocated."""
+    3 * (2**63 - 1) elements), or whose strides would (no bytes, but a first stride of 2**64
+    bytes): ConfigError, not OverflowError, and nothing allocated; the same from view()."""
     before = ctx.memory_pool.allocations
     with pytest.raises(ConfigError) as info:
         _core._empty(ctx.device, shape, "float32")
     assert info.value.argument == "shape"
     assert ctx.memory_pool.allocations == before
+    with pytest.raises(ConfigError) as info:
+        ctx.workspace.view("float32", shape)
+    assert info.value.argument == "shape"

@@ -288,6 +288,18 @@ def test_cuda_array_interface(ctx):
     plan_small(ctx, dtype="bfloat16")
     with pytest.raises(TypeError, match="DLPack"):
         ctx.kv_cache(0)[0].__cuda_array_interface__
+    # ... and an AttributeError too: hasattr answers False (Numba's is_cuda_array, CuPy's and
+    # JAX's first check), so that they take DLPack instead of failing.
+    bf16 = ctx.kv_cache(0)[0]
+    assert not hasattr(bf16, "__cuda_array_interface__")
+    try:
+        from numba import cuda as numba_cuda
+    except ImportError:
+        numba_cuda = None
+    if numba_cuda is not None:
+        assert not numba_cuda.is_cuda_array(bf16)
+    del bf16
+    plan_small(ctx)
 
 
 # -- host access is refused, with directions --------------------------------------------------
