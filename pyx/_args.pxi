@@ -20,10 +20,7 @@ cdef str _type_name(object value):
 
 cdef bint _is_flag(object value):
     """A bool, Python's or NumPy's: never a number here (NumPy 1.x's bool_ has __index__)."""
-    if PyBool_Check(value):
-        return True
-    t = type(value)
-    return t.__module__ == "numpy" and t.__name__ in ("bool", "bool_")
+    return PyBool_Check(value) or _is_numpy_bool(value)
 
 
 cdef int64_t _int_arg_slow(object value, str argument) except? -1:

@@ -2,14 +2,19 @@
 # inferctx._plan, which loads no CUDA library) and the compiled classes share.
 
 
+cdef bint _is_numpy_bool(object value):
+    """numpy.bool_ (numpy.bool in NumPy 2), told by its type: NumPy need not be imported."""
+    t = type(value)
+    return t.__module__ == "numpy" and t.__name__ in ("bool", "bool_")
+
+
 cdef bint _bool_arg(object value, str argument) except -1:
     """A flag: True or False (a numpy.bool_ too); 1, None and strings are refused."""
     if value is True:
         return True
     if value is False:
         return False
-    t = type(value)
-    if t.__module__ == "numpy" and t.__name__ in ("bool", "bool_"):  # numpy.bool_ (numpy.bool in NumPy 2)
+    if _is_numpy_bool(value):
         return True if value else False
     raise _errors.ConfigError(f"{argument}: got {_errors._brief(value)}; it must be True or False",
                               argument=argument)

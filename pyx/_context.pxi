@@ -479,11 +479,13 @@ cdef class InferenceContext:
         cdef object source
         if self._stream_obj is None or self._stream_obj._handle != handle:
             source = self if self._adopted is None else self._adopted
-            if (self._adopted is None and _torch_tensor is None and _cupy_ndarray is not None
-                    and handle == _package_stream(PKG_CUPY, self.device)):
+            if self._adopted is None and _torch_tensor is None and _cupy_ndarray is not None:
                 # CuPy destroys a stream with its object: the Stream returned keeps it alive,
                 # as a borrowed stream keeps its source.
-                source = _cupy_current_stream(self.device)
+                current = _cupy_current_stream(self.device)
+                ptr = current.ptr  # 0: the legacy stream, whose handle _ctx_stream gives as 1
+                if (ptr if ptr != 0 else <uintptr_t>cudaStreamLegacy) == handle:
+                    source = current
             self._stream_obj = _borrowed_stream(handle, self.device, source)
         return self._stream_obj
 
