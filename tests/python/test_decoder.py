@@ -251,20 +251,33 @@ def test_cpu_decoders_sharing_a_workspace_and_contents_given_up_are_refused(cpu)
     a = ReferenceDecoder(build_hf_model(spec, seed=0), **kw)
     b = ReferenceDecoder(build_hf_model(spec, seed=1), **kw)
     assert a.plan is b.plan  # one request, one plan: the two share the context's workspace
+    with pytest.raises(inferctx.WorkspaceStateError, match="logits: no sequence"):
+        a.logits  # nothing was prefilled: the buffer holds no logits of a's
     gen = torch.Generator().manual_seed(3)
     p, q = (torch.randint(0, spec.vocab_size, (2, 8), generator=gen) for _ in range(2))
     alone = a.generate(p).tokens
     a.prefill(p)
     b.prefill(q)  # b's sequences now fill the KV cache a was reading
-    with pytest.raises(inferctx.WorkspaceStateError, match="another ReferenceDecoder prefilled"):
+    with pytest.raises(inferctx.WorkspaceStateError, match="logits: another ReferenceDecoder prefilled"):
+        a.logits  # b's logits are in the buffer now
+    a.prefill(p)
+    b.prefill(q)
+    with pytest.raises(inferctx.WorkspaceStateError, match="step: another ReferenceDecoder prefilled"):
         a.step()
+    with pytest.raises(inferctx.WorkspaceStateError, match="logits: no sequence"):
+        a.logits  # the refusal ended a's sequence
     b.step()  # b's own go on
     assert torch.equal(a.generate(p).tokens, alone)  # a new generation is a's again
     # The context's own release without keep_contents gives the KV cache up: steps are refused.
     a.prefill(p)
     ctx.release_workspace()
     ctx.retake_workspace()
-    with pytest.raises(inferctx.WorkspaceStateError, match="released without keep_contents"):
+    with pytest.raises(inferctx.WorkspaceStateError, match="logits: the workspace was released without"):
+        a.logits
+    a.prefill(p)
+    ctx.release_workspace()
+    ctx.retake_workspace()
+    with pytest.raises(inferctx.WorkspaceStateError, match="step: the workspace was released without"):
         a.step()
     # With keep_contents the sequence goes on, and ends as it does alone.
     a.prefill(p)
@@ -298,6 +311,13 @@ def test_cpu_generate_checks_its_new_tokens_and_batch_before_anything_runs(cpu):
     with pytest.raises(inferctx.ConfigError) as e:
         dec.generate(torch.zeros(0, 8, dtype=torch.long))
     assert e.value.argument == "batch_size" and "0 sequences" in str(e.value)
+    # A prompt longer than planned is named as such, even where its new tokens would not fit either.
+    with pytest.raises(inferctx.ConfigError) as e:
+        dec.generate(torch.zeros(2, 9, dtype=torch.long), max_new_tokens=6)  # 9 + 5 = 14 slots would fit
+    assert e.value.argument == "prompt_len"
+    with pytest.raises(inferctx.ConfigError) as e:
+        dec.generate(torch.zeros(2, 9, dtype=torch.long), max_new_tokens=20)  # 9 + 19 = 28 of 14
+    assert e.value.argument == "prompt_len"
 
 
 # -- the decoder on the GPU -----------------------------------------------------------------------
@@ -430,14 +450,16 @@ def test_a_pinned_prompt_may_be_written_again_as_soon_as_generate_returns(gpu):
     # the prompt it was given.
     torch = gpu
     _, _, dec, prompt = _setup(torch, "llama", 2, "float16", new=4)
-    other = (prompt + 1) % 2048
+    # Host copies made up front: a .cpu() in the loop would wait for the caller's stream, and so
+    # for the whole generation, before the staging buffer is written.
+    first_cpu, other_cpu = prompt.cpu(), ((prompt + 1) % 2048).cpu()
     want = dec.generate(prompt).tokens  # captures the graph (that synchronizes the device)
-    staging = prompt.cpu().pin_memory()
+    staging = first_cpu.pin_memory()
     for trial in range(4):
-        staging.copy_(prompt.cpu())
+        staging.copy_(first_cpu)
         torch.cuda._sleep(200_000_000)  # about 0.1 s on the caller's stream, before the generation
         out = dec.generate(staging)
-        staging.copy_(other.cpu())  # the next prompt, written as soon as generate returns
+        staging.copy_(other_cpu)  # the next prompt, written as soon as generate returns (host to host)
         torch.cuda.synchronize()
         assert torch.equal(out.tokens, want), trial
 

@@ -211,8 +211,11 @@ class ReferenceDecoder:
     @property
     def logits(self) -> torch.Tensor:
         """The last step's logits [batch, vocab] (a workspace view, overwritten by the next step).
-        WorkspaceStateError while the workspace is released (no memory is behind the view)."""
+        WorkspaceStateError while the workspace is released (no memory is behind the view), before
+        a prefill, and once another decoder's prefill or a release without keep_contents has
+        taken the workspace's contents since this decoder's."""
         self._check_state("logits")
+        self._check_sequence("logits")
         return self._logits()
 
     def _logits(self) -> torch.Tensor:
@@ -239,6 +242,23 @@ class ReferenceDecoder:
                                       f"since this decoder planned it; make a new ReferenceDecoder")
         if self._unbound:  # released under the cudaMalloc fallback, taken back by ctx.retake_workspace()
             self._rebind()
+
+    def _check_sequence(self, what: str) -> None:
+        """WorkspaceStateError naming `what` unless the workspace still holds this decoder's
+        sequences: prefilled, by no other decoder since, with no contents given up since."""
+        if not self._prefilled:
+            raise WorkspaceStateError(f"{what}: no sequence in the KV cache; call prefill(prompt) or generate()")
+        holder = _HOLDER.get(self.ctx)
+        if holder is None or holder() is not self:
+            self._prefilled = False
+            raise WorkspaceStateError(f"{what}: another ReferenceDecoder prefilled on this context since "
+                                      f"(decoders of one plan share its workspace, and the KV cache now holds "
+                                      f"its sequences); call prefill(prompt) or generate() again")
+        if self.ctx._contents_epoch != self._epoch:
+            self._prefilled = False
+            raise WorkspaceStateError(f"{what}: the workspace was released without keep_contents since the "
+                                      f"prefill, so the KV cache is gone; call prefill(prompt) or generate() "
+                                      f"again (release(keep_contents=True) keeps it)")
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:
@@ -448,19 +468,7 @@ class ReferenceDecoder:
         """step, after the work queued on `caller` (None: no wait, as within generate), the
         caller's stream not made to wait for it."""
         self._check_state("step")
-        if not self._prefilled:
-            raise WorkspaceStateError("step: no sequence in the KV cache; call prefill(prompt) or generate()")
-        holder = _HOLDER.get(self.ctx)
-        if holder is None or holder() is not self:
-            self._prefilled = False
-            raise WorkspaceStateError("step: another ReferenceDecoder prefilled on this context since (decoders "
-                                      "of one plan share its workspace, and the KV cache now holds its "
-                                      "sequences); call prefill(prompt) or generate() again")
-        if self.ctx._contents_epoch != self._epoch:
-            self._prefilled = False
-            raise WorkspaceStateError("step: the workspace was released without keep_contents since the prefill, "
-                                      "so the KV cache is gone; call prefill(prompt) or generate() again "
-                                      "(release(keep_contents=True) keeps it)")
+        self._check_sequence("step")
         graph = self.use_graph if use_graph is None else bool(use_graph) and self.backend.on_gpu
         self.ctx.advance_tokens(1)  # raises TokenLimitError at max_token_length: nothing is launched
         with self._on_stream():
@@ -493,8 +501,9 @@ class ReferenceDecoder:
         if rows:
             # The prefill takes the prompt's tokens, each step one more: all must fit the KV cache
             # (ctx.max_token_length), checked before anything is queued.
+            # (A prompt longer than planned is the prefill's ConfigError, prompt_len.)
             length, limit = int(prompt.shape[1]), int(self.ctx.max_token_length)
-            if 1 <= length <= limit and length + n - 1 > limit:
+            if 1 <= length <= min(limit, self.prompt_len) and length + n - 1 > limit:
                 raise TokenLimitError(
                     f"generate: max_new_tokens={n} after a prompt of {length} tokens needs {length + n - 1} "
                     f"token slots, and the KV cache holds {limit} (ctx.max_token_length); "
