@@ -288,6 +288,30 @@ def test_cpu_decoders_sharing_a_workspace_and_contents_given_up_are_refused(cpu)
     assert torch.equal(a.out_ids[:, 8:14], alone)
 
 
+def test_cpu_context_gen_workspace_while_released_takes_the_workspace_back_first(cpu):
+    # As InferenceContext's: a released workspace comes back (with its kept contents) before a
+    # plan is made for it, so a later retake_workspace has nothing left to restore.
+    torch = cpu
+    from inferctx.decoder import CpuContext, model_spec
+
+    shape = model_spec("llama-tiny").model_shape()
+    ctx = CpuContext()
+    kw = dict(batch_size=1, prompt_len=4, dtype="float32")
+    small = ctx.gen_workspace(shape, max_out_tokens=4, **kw)
+    ctx.workspace.fill_(7)
+    ctx.release_workspace(keep_contents=True)
+    assert ctx.gen_workspace(shape, max_out_tokens=4, **kw) == small and not ctx.released
+    assert bool((ctx.workspace == 7).all())  # the kept contents are back
+    ctx.release_workspace(keep_contents=True)
+    epoch = ctx._contents_epoch
+    large = ctx.gen_workspace(shape, max_out_tokens=16, **kw)
+    assert large.workspace_bytes > small.workspace_bytes and not ctx.released
+    assert ctx.workspace.numel() * ctx.workspace.element_size() == large.workspace_bytes
+    assert ctx._contents_epoch == epoch + 1  # a new buffer: the contents are given up
+    assert ctx.retake_workspace() is True
+    assert ctx.workspace.numel() * ctx.workspace.element_size() == large.workspace_bytes
+
+
 def test_cpu_generate_checks_its_new_tokens_and_batch_before_anything_runs(cpu):
     torch = cpu
     from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec

@@ -171,6 +171,8 @@ class CpuContext:
         plan = plan_workspace(shape, batch_size=batch_size, prompt_len=prompt_len,
                               max_out_tokens=max_out_tokens, min_out_tokens=min_out_tokens, dtype=dtype,
                               free_bytes=self._free, total_bytes=self._free)
+        if self._released:  # as InferenceContext: it comes back, with any kept contents, first
+            self.retake_workspace()
         if self._plan is None or plan != self._plan:
             self._plan = plan
             self._ws = torch.full((plan.workspace_bytes,), 0xFF, dtype=torch.uint8)  # NaN in every dtype
