@@ -144,7 +144,7 @@ cdef class InferenceContext:
     cdef Stream _own_stream_obj
     cdef Stream _comm_stream_obj
     cdef object _adopted
-    cdef bint _own_stream_served  # ctx.stream was the own stream (no torch or CuPy imported yet)
+    cdef int _served  # what ctx.stream last followed (SERVED_*, _contract.pxi), to join a move
     # gen_workspace's compiled and Python halves (the plan made, then the layout and plan adopted
     # for the view accessors) under one lock, so that concurrent calls cannot interleave them;
     # use_stream's C++ stream and the Python object it keeps alive likewise.

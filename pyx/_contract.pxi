@@ -125,23 +125,44 @@ cdef uintptr_t _package_stream(int package, int device) except 0:
     return <uintptr_t>handle
 
 
+# What ctx.stream was the last time it followed no adopted stream (InferenceContext._served).
+cdef enum:
+    SERVED_NONE = 0  # nothing yet, or torch's current stream (which it follows from then on)
+    SERVED_OWN = 1   # the context's own stream: neither torch nor CuPy was imported
+    SERVED_CUPY = 2  # CuPy's current stream: CuPy was imported, torch not
+
+
 cdef uintptr_t _ctx_stream(InferenceContext ctx) except 0:
-    """ctx.stream's handle: the adopted stream, else torch's or CuPy's current stream (the first
-    of the two imported), else the context's own."""
+    """ctx.stream's handle: the adopted stream, else torch's current stream once torch is
+    imported, else CuPy's once CuPy is, else the context's own. When an import moves it (own to
+    CuPy's or torch's, CuPy's to torch's), the new stream first waits for what was queued on the
+    one it leaves (kernels, copies, results still to be read)."""
     if ctx._adopted is not None:
         return <uintptr_t>ctx._c.stream()
     if _torch_tensor is None or _cupy_ndarray is None:
         _refresh_packages()
     cdef uintptr_t s
-    if _torch_tensor is not None or _cupy_ndarray is not None:
-        s = _package_stream(PKG_TORCH if _torch_tensor is not None else PKG_CUPY, ctx.device)
-        if ctx._own_stream_served:
-            # torch or CuPy was imported after ctx.stream was the context's own stream: what was
-            # queued there (kernels, copies, results still to be read) comes before the new one.
-            ctx._own_stream_served = False
-            ctx._order(<uintptr_t>ctx._c.own_stream(), s)
+    cdef uintptr_t before = 0
+    if _torch_tensor is not None:
+        s = _package_stream(PKG_TORCH, ctx.device)
+        if ctx._served != SERVED_NONE:
+            if ctx._served == SERVED_OWN:
+                before = <uintptr_t>ctx._c.own_stream()
+            else:
+                before = _package_stream(PKG_CUPY, ctx.device)
+            ctx._served = SERVED_NONE
+            ctx._order(before, s)
         return s
-    ctx._own_stream_served = True
+    if _cupy_ndarray is not None:
+        s = _package_stream(PKG_CUPY, ctx.device)
+        if ctx._served != SERVED_CUPY:
+            if ctx._served == SERVED_OWN:
+                before = <uintptr_t>ctx._c.own_stream()
+            ctx._served = SERVED_CUPY
+            if before != 0:
+                ctx._order(before, s)
+        return s
+    ctx._served = SERVED_OWN
     return <uintptr_t>ctx._c.own_stream()
 
 

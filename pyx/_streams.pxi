@@ -91,6 +91,19 @@ cdef int _stream_device(object stream, uintptr_t handle, int hint, str argument)
     return _handle_device(handle, hint, argument, stream)
 
 
+cdef int _refuse_destroyed(uintptr_t handle, str argument, object stream) except -1:
+    """ConfigError naming `argument` when `stream` is a bare int at the address of a destroyed
+    inferctx.Stream: CUDA cannot be asked about, or queue on, a destroyed handle (it reads freed
+    memory). Only a bare handle can outlive its stream: a stream object (torch's, CuPy's, one
+    with __cuda_stream__) keeps its stream alive, and may sit at the address of a destroyed one."""
+    if isinstance(stream, int) and stream_was_destroyed(<cudaStream_t>handle):
+        raise _ConfigError(
+            f"{argument}: {handle:#x} is the handle of an inferctx.Stream that was destroyed; pass "
+            f"{_STREAM_LIKE} that exists (for a live stream of another library made at that "
+            f"address since, pass its stream object)", argument=argument)
+    return 0
+
+
 cdef int _handle_device(uintptr_t handle, int hint, str argument, object stream) except -2:
     """The device of an explicit stream handle as CUDA tells it, without disturbing a capture:
     cudaStreamGetDevice where the stream is not being captured (asked of a capturing stream, it
@@ -100,14 +113,7 @@ cdef int _handle_device(uintptr_t handle, int hint, str argument, object stream)
     cdef cudaError_t status
     cdef int on = -1
     cdef bint ours
-    # CUDA cannot be asked about a destroyed handle (it reads freed memory). Only a bare handle
-    # can outlive its stream: a stream object (torch's, CuPy's, one with __cuda_stream__) keeps
-    # its stream alive, and may sit at the address of a destroyed one.
-    if isinstance(stream, int) and stream_was_destroyed(<cudaStream_t>handle):
-        raise _ConfigError(
-            f"{argument}: {handle:#x} is the handle of an inferctx.Stream that was destroyed; pass "
-            f"{_STREAM_LIKE} that exists (for a live stream of another library made at that "
-            f"address since, pass its stream object)", argument=argument)
+    _refuse_destroyed(handle, argument, stream)
     with nogil:
         status = cudaStreamIsCapturing(<cudaStream_t>handle, &capture)
         if status == cudaSuccess and capture == cudaStreamCaptureStatusNone:
@@ -306,6 +312,7 @@ cdef class Event:
         """Records the event at the current end of ``stream``; returns self."""
         cdef CppEvent* event = self._get()
         cdef uintptr_t handle = _stream_handle(stream, "stream")
+        _refuse_destroyed(handle, "stream", stream)
         cdef int device = _declared_device(stream)
         if device >= 0 and device != event.device():  # a default stream would be taken for ours
             raise _ConfigError(f"stream: is a stream of cuda:{device} and this Event is of cuda:"
@@ -319,6 +326,7 @@ cdef class Event:
         """Makes ``stream`` wait (on the GPU) until the work recorded by this event is done."""
         cdef CppEvent* event = self._get()
         cdef uintptr_t handle = _stream_handle(stream, "stream")
+        _refuse_destroyed(handle, "stream", stream)
         # With the stream's device current where the object names it (a default-stream handle
         # names the current device's stream); else this event's.
         cdef int device = _declared_device(stream)

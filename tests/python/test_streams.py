@@ -142,9 +142,8 @@ def test_torch_and_cupy_streams():
 
 
 @pytest.mark.gpu
-def test_objects_with_a_ptr_that_are_no_stream_are_refused():
+def test_objects_with_a_ptr_that_are_no_stream_are_refused(ctx):
     cupy = pytest.importorskip("cupy")
-    ctx = inferctx.InferenceContext.instance()
     event = cupy.cuda.Event()
     memory = cupy.zeros(4).data
     for bad in (event, memory, ctx.workspace, PinnedBuffer(16)):
@@ -156,9 +155,11 @@ def test_objects_with_a_ptr_that_are_no_stream_are_refused():
         assert info.value.argument == "stream"
         with pytest.raises(ConfigError) as info:
             Stream().wait(bad)
-    # CuPy's streams, and subclasses of them, are still taken by their .ptr.
-    external = cupy.cuda.ExternalStream(cupy.cuda.Stream(non_blocking=True).ptr)
-    assert Stream(external).handle == external.ptr
+    # CuPy's streams, and subclasses of them, are still taken by their .ptr. (`base` is kept:
+    # CuPy destroys a Stream's stream with the object, and ExternalStream does not keep it.)
+    base = cupy.cuda.Stream(non_blocking=True)
+    external = cupy.cuda.ExternalStream(base.ptr)
+    assert Stream(external).handle == external.ptr == base.ptr
 
 
 @pytest.mark.gpu
