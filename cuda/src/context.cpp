@@ -86,15 +86,22 @@ InferenceContext::InferenceContext(int device) : device_(device) {
   INFERCTX_CUDA(cudaDeviceGetAttribute(&cc_minor_, cudaDevAttrComputeCapabilityMinor, device), device);
   // The cuBLAS workspace is taken first so that the free memory the planner sees excludes it.
   cublas_ = std::make_unique<CublasHandle>(device);
-  own_stream_ = Stream::create(device);
-  comm_stream_ = Stream::create(device);
-  compute_.store(own_stream_.handle(), std::memory_order_release);
-  comp_done_ = std::make_unique<Event>(device);
-  comm_done_ = std::make_unique<Event>(device);
-  cublas_->set_stream(compute_.load(std::memory_order_relaxed));
-  fallback_reason_ = fallback_reason_of(device);
-  vmm_ = fallback_reason_.empty();
-  if (vmm_) granularity_ = virtual_memory_granularity(device);
+  try {
+    own_stream_ = Stream::create(device);
+    comm_stream_ = Stream::create(device);
+    compute_.store(own_stream_.handle(), std::memory_order_release);
+    comp_done_ = std::make_unique<Event>(device);
+    comm_done_ = std::make_unique<Event>(device);
+    cublas_->set_stream(compute_.load(std::memory_order_relaxed));
+    fallback_reason_ = fallback_reason_of(device);
+    vmm_ = fallback_reason_.empty();
+    if (vmm_) granularity_ = virtual_memory_granularity(device);
+  } catch (...) {
+    // The handle may be bound to the own stream, which as a later member would be destroyed
+    // first: the handle goes while the stream still exists, as in the destructor.
+    cublas_.reset();
+    throw;
+  }
 }
 
 InferenceContext::~InferenceContext() {

@@ -35,12 +35,14 @@ bool InferenceContext::in_released_range(const void* p, int64_t bytes) const noe
 
 void InferenceContext::release_workspace(bool force, bool keep_contents) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (released_ && !keep_contents && contents_kept_) {
-    // Released with its contents kept, now released without: the host copy goes, as documented
-    // (it may be most of the host's memory), and the contents with it.
+  if (released_ && !keep_contents && host_copy_) {
+    // Released with its contents kept (or by a keep_contents release that failed after making
+    // its copy), now released without: the host copy goes, as documented (it may be most of the
+    // host's memory), and kept contents with it. A failed release's copies may still be queued.
+    if (!contents_kept_) own_stream_.synchronize();
     host_copy_.reset();
+    if (contents_kept_) ++contents_epoch_;
     contents_kept_ = false;
-    ++contents_epoch_;
     return;
   }
   if (!workspace_ || released_) return;

@@ -507,6 +507,10 @@ def test_gpu_a_keep_contents_release_failing_after_its_copy_says_the_contents_ar
         assert reached and info.value.code == code
         assert faults.released and faults.held_bytes == 0
         assert faults._contents_epoch > epoch
+        assert faults.host_copy_bytes > 0  # the copy the failed release made
+        given_up = faults._contents_epoch
+        faults.release_workspace()  # released already: only that host copy can go, and it does
+        assert faults.host_copy_bytes == 0 and faults._contents_epoch == given_up
         faults.retake_workspace()
         assert faults._contents_epoch > epoch  # the retake maps fresh memory: still gone
     faults.release_workspace()  # any pinned host copy goes too
