@@ -94,7 +94,9 @@ class InferenceContext {
   //    launches on it. `force` changes nothing.
   //  - cudaMalloc: with views alive, WorkspaceInUseError, or with `force` the context forgets the
   //    allocation and the last view frees it.
-  // Does nothing when no workspace is held (none planned yet, or already released).
+  // Does nothing when no workspace is held (none planned yet, or already released), except that
+  // a release without keep_contents of a released workspace drops the host copy (and any kept
+  // contents with it).
   void release_workspace(bool force, bool keep_contents = false);
   // Takes the released workspace back for the kept plan: the same addresses and bytes under
   // stable addresses (a new allocation of the plan's bytes under cudaMalloc), with the contents
