@@ -44,13 +44,15 @@ cdef class CudaArray:
 
 
 cdef bint _is_contiguous(tuple shape, tuple strides):
-    """C-contiguous: strides (elements) of the packed layout, ignoring sizes of 1."""
+    """C-contiguous: strides (elements) of the packed layout, ignoring sizes of 1; an empty
+    array, whose strides address nothing, always (as torch, NumPy and CuPy say)."""
     cdef int64_t expected = 1
     cdef Py_ssize_t i
-    for i in range(len(shape) - 1, -1, -1):
-        n = shape[i]
+    for n in shape:
         if n == 0:
             return True
+    for i in range(len(shape) - 1, -1, -1):
+        n = shape[i]
         if n != 1 and strides[i] != expected:
             return False
         expected *= n

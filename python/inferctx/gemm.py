@@ -371,7 +371,7 @@ def _scalar(value, argument) -> float:
         x = float("inf")
     if not abs(x) <= _FLOAT32_MAX:  # NaN too
         raise ConfigError(f"{argument}: got {_brief(value)}; it must be finite in float32 (at most "
-                          f"3.4028235e38 in magnitude): the product scales by it in float32",
+                          f"{_FLOAT32_MAX!r} in magnitude): the product scales by it in float32",
                           argument=argument)
     return x
 

@@ -181,6 +181,24 @@ def test_p_zero_is_a_bitwise_copy_with_a_full_mask(torch, dtype):
     assert bool((to_torch(torch, mask) == 1).all())
 
 
+def test_empty_arrays_are_contiguous_whatever_their_strides(torch):
+    # An empty array's strides address nothing: torch, NumPy and CuPy call (0, 3) with strides
+    # (6, 2) contiguous, and so does inferctx, for x, out, the mask and grad alike. mask="bytes"
+    # and out= take the general path (the import of the operands), not torch's fast path.
+    x = torch.empty_strided((0, 3), (6, 2), device="cuda")
+    assert x.is_contiguous()
+    y, mask = inferctx.dropout(x, 0.5, mask="bytes")
+    assert tuple(y.shape) == (0, 3) and tuple(mask.shape) == (0, 3)
+    out = torch.empty_strided((0, 3), (6, 2), device="cuda")
+    assert inferctx.dropout(torch.empty(0, 3, device="cuda"), 0.5, out=out)[0] is out
+    bits = inferctx.dropout(x, 0.5)[1]
+    assert bits.numel() == 0
+    for m in (mask, bits):
+        g = inferctx.apply_mask(x, m, 0.5)
+        assert tuple(g.shape) == (0, 3)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_p_one_gives_zeros_and_an_empty_mask(torch, dtype):
     n = 1037

@@ -930,4 +930,9 @@ def test_module_exports():
     # float32's largest finite value is taken, as are its negative and a NumPy float.
     assert gm._scalar(3.4028234663852886e38, "alpha") == 3.4028234663852886e38
     assert gm._scalar(-3.4028234663852886e38, "beta") == -3.4028234663852886e38
+    # The bound the message names is itself taken; 3.4028235e38, just above it, is not.
+    with pytest.raises(ConfigError) as info:
+        gm._scalar(3.4028235e38, "alpha")
+    bound = str(info.value).split("at most ")[1].split(" ")[0]
+    assert gm._scalar(float(bound), "alpha") == float(bound)
     assert gm._scalar(np.float32(0.5), "alpha") == 0.5
