@@ -16,8 +16,9 @@ under its call contract); device time from CUDA events around back-to-back calls
 kernel (so launch overhead is not measured as device time), after warm-up, median of
 repetitions, the two libraries interleaved (in alternating order, after a warm-up of the
 GPU); operands are fresh uniform random values, rotated
-among enough copies to exceed L2 for small shapes; the first result of each library is
-compared with the other's. Prints a compact table last; --json writes every figure.
+among enough copies to exceed L2 for small shapes; the first result of each library (its
+output poisoned with NaN before the call) is compared with the other's. Prints a compact
+table last; --json writes every figure.
 
     python bench/gemm.py [--json out.json] [--quick] [--no-tune]
 """
@@ -246,9 +247,12 @@ def main(argv=None):
         for case in all_cases:
             a, b, c, sets = operand_sets(case, l2_bytes)
             ours, theirs = functions(case, a, b, c)
-            # The same function on the same operands, from both libraries.
+            # The same function on the same operands, from both libraries; the output is poisoned
+            # before each, so that a call that leaves it unwritten shows as a NaN difference.
+            c.fill_(float("nan"))
             ours(0)
             mine = c.clone()
+            c.fill_(float("nan"))
             theirs(0)
             err = relative_difference(mine, c)
             torch_ms, default_ms = timer.compare([theirs, ours], sets)
@@ -269,8 +273,12 @@ def main(argv=None):
                 for shape, r in zip(shapes, G.autotune_gemm(shapes, dtype, trans_b=trans_b)):
                     tuned[(dtype, trans_b, shape)] = r
             for row, (case, a, b, c, sets, ours, theirs) in zip(results, prepared):
+                # c still holds a result of the untuned pass (that of a[0], b[0] where sets == 1):
+                # poisoned first, or a tuned call that wrote nothing would compare equal.
+                c.fill_(float("nan"))
                 ours(0)
                 mine = c.clone()
+                c.fill_(float("nan"))
                 theirs(0)
                 row["tuned_difference"] = relative_difference(mine, c)
                 row["torch_ms_2"], row["tuned_ms"] = timer.compare([theirs, ours], sets)
@@ -335,7 +343,8 @@ def report(results, host, props, args, fast_path):
         ratios.append(ratio)
         torch_rate, unit = rate(case, torch_ms)
         ours_rate, _ = rate(case, ours_ms)
-        diff = max(row["difference"], row.get("tuned_difference", 0.0))
+        diffs = (row["difference"], row.get("tuned_difference", 0.0))
+        diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)  # max() may drop a NaN
         flag = "" if diff < 2e-2 else "  MISMATCH"
         short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[row["dtype"]]
         line = (f"{row['case']:34s} {short:5s} {row['torch_ms'] * 1e3:9.2f} "

@@ -300,6 +300,9 @@ void run_shape(cublasHandle_t h, int m, int64_t n, int64_t k, cudaStream_t s) {
   printf("m=%d n=%lld k=%lld sets=%d  cublas %7.2f us (%6.0f GB/s)\n", m, (long long)n, (long long)k, B.sets, tc, gb / tc);
   auto one_variant = [&](const char* name, auto fn) {
     const float t = time_us(fn, B.sets, s);
+    // The output is poisoned (0xFFFF is a bf16 NaN) before the checked call: wherever a variant
+    // writes nothing, B.c would still hold an earlier variant's correct result.
+    CK(cudaMemsetAsync(B.c, 0xFF, (size_t)m * n * sizeof(T), s));
     fn(0);
     CK(cudaStreamSynchronize(s));
     CK(cudaGetLastError());

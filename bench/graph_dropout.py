@@ -11,7 +11,8 @@ For each input size and dtype, and for graphs of 1 and of 32 dropout calls (a de
   of its blocks to do so advances its replay counter (docs/graphs.md);
 * "torch eager" / "torch graph": ``torch.ops.aten.native_dropout(x, p, True)`` called directly,
   and captured and replayed the same way (torch reads its seed and offset from tensors it fills
-  before each replay).
+  before each replay); the results of a step's calls are kept until the step ends, so that each
+  call writes an output and a mask of its own, as ours do.
 
 Every figure is device time per dropout call: each call (or replay) is timed alone between CUDA
 events after warm-up, with the stream first held by a sleep kernel so that host launch overhead
@@ -161,10 +162,25 @@ def host_figures(torch, inferctx, ctx, p, loops=20000, reps=15):
     y = torch.empty_like(x)
     m = torch.empty(32, dtype=torch.int32, device="cuda")
     khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000)
+
+    def call():
+        inferctx.dropout(x, p, out=y, mask_out=m)
+
+    for _ in range(20):  # warm-up
+        call()
+    # Each loop of 500 calls runs behind its own hold of 25 ms of GPU time (50 us a call), so the
+    # loop only issues: one hold for all the loops would queue several thousand launches behind it,
+    # more than a stream takes before the host blocks, and later loops would run beside an idle GPU.
+    calls, samples = 500, []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(khz * 1e3 * calls * 50e-6))
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            call()
+        samples.append((time.perf_counter_ns() - t0) / calls / 1e3)
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(khz * 1e3 * 0.5))  # 0.5 s of GPU time: the loop below only issues
-    eager = per_call(lambda: inferctx.dropout(x, p, out=y, mask_out=m), 500) - empty
-    torch.cuda.synchronize()
+    eager = statistics.median(samples) - empty
     return {"increment_offset_us": inc, "capture_query_us": query, "eager_dropout_call_us": eager}
 
 
@@ -210,8 +226,10 @@ def main(argv=None) -> int:
                         inferctx.dropout(x, args.p, out=y, mask_out=m)
 
                 def theirs(b):
-                    for x in b[0]:
-                        native(x, args.p, True)
+                    # The results stay alive until the step ends, so that each call writes its own
+                    # output and mask, as ours do (out=, mask_out=): a result dropped at once gives
+                    # its memory to the next call, whose writes then land on lines still in L2.
+                    return [native(x, args.p, True) for x in b[0]]
 
                 ours_graphs = [capture(torch, lambda b=b: ours(b)) for b in bufs]
                 torch_graphs = [capture(torch, lambda b=b: theirs(b)) for b in bufs]
@@ -221,10 +239,13 @@ def main(argv=None) -> int:
                     "torch eager": lambda i: theirs(bufs[i % sets]),
                     "torch graph": lambda i: torch_graphs[i % sets].replay(),
                 }
+                # Commands each call queues on the stream: a replay of ours is one graph launch;
+                # torch's replay first refills its generator's seed and offset tensors (two fill
+                # kernels) and then launches the graph.
+                launches = {"ours eager": calls, "ours graph": 1, "torch eager": calls, "torch graph": 3}
                 us = {}
                 for name, fn in variants.items():
-                    samples = timer.run(fn, iters, args.warmup, launches=1 if "graph" in name else calls,
-                                        distinct=sets)
+                    samples = timer.run(fn, iters, args.warmup, launches=launches[name], distinct=sets)
                     us[name] = statistics.median(samples) * 1e3 / calls
                 row = dict(dtype=dname, input_bytes=nbytes, calls_per_graph=calls, p=args.p,
                            iters=iters, buffer_sets=sets,
