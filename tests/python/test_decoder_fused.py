@@ -78,6 +78,13 @@ def test_silu_mul_arguments(kwargs, argument):
     (dict(dtype=-1), "dtype"),
     (dict(batch=2**31 - 1, tokens=2**31 - 1), "batch"),  # batch * tokens * heads past 2^63
     (dict(batch=2**28, heads=2, src_strides=(2**40, 64, 64)), "src_strides"),  # a span past 2^63 bytes
+    # dst rows sharing elements (threads would race for them): heads 32 apart with head_dim 64,
+    # every head one row, every token one row
+    (dict(dst_strides=(768, 256, 32)), "dst_strides"),
+    (dict(dst_strides=(768, 256, 0)), "dst_strides"),
+    (dict(dst_strides=(768, 0, 64)), "dst_strides"),
+    # head-major, the decoder's queries: rows distinct, so refused only for lying on cos
+    (dict(dst=ADDR + 2 ** 16, dst_strides=(768, 64, 192)), "dst"),
 ])
 def test_rope_arguments(kwargs, argument):
     # src [2, 3, 4, 64] contiguous at ADDR (3 KiB of fp16); cos and sin rows elsewhere.

@@ -49,7 +49,8 @@ void silu_mul_inplace(void* gate, const void* up, int64_t rows, int64_t cols, in
 //   dst[:h]  = r(r(src[:h] * cos[:h]) - r(src[h:] * sin[:h]))
 //   dst[h:]  = r(r(src[h:] * cos[h:]) + r(src[:h] * sin[h:]))        (h = head_dim / 2)
 // which is src * cos + rotate_half(src) * sin, rotate_half(x) = cat(-x2, x1), rounded as the
-// eager sequence rounds it. head_dim even; dst may not overlap src, cos or sin.
+// eager sequence rounds it. head_dim even; dst may not overlap src, cos or sin, and no two of its
+// (batch, token, head) rows may share an element (ConfigError("dst_strides")).
 void rope_apply(const void* src, void* dst, const void* cos, const void* sin, int64_t batch, int64_t tokens,
                 int64_t heads, int64_t head_dim, const int64_t src_strides[3], const int64_t dst_strides[3],
                 int64_t cs_token_stride, int dtype, cudaStream_t stream, int device);

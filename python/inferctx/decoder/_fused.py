@@ -7,10 +7,11 @@ eight, RoPE's five per projection, SiLU and the product with the up projection. 
 ``cuda/src/decoder_ops.cu`` compute each sequence in one pass, rounding every intermediate where
 torch's kernels do. Whether torch computes them that way is a property of the torch build (how its
 ``pow`` rounds ``x**3``, which ``tanhf`` and ``expf`` it calls), so before the first use on a
-device and dtype, ``fused_ops`` runs both over every 16-bit pattern (float16, bfloat16) or a
-million values with the edge cases (float32) and keeps a kernel only if every result's bits
-match (NaN matching NaN). A kernel that does not match is not used: the decoder then runs
-torch's sequence for it, and ``ReferenceDecoder.fused_kernels`` says which are in use.
+device and dtype, ``fused_ops`` runs both and keeps a kernel only if every result's bits match
+(NaN matching NaN): GELU and SiLU over every 16-bit pattern (float16, bfloat16) or a million
+values with the edge cases (float32), RoPE over random rows in the decoder's layouts (a prompt's
+rows, and one decode row broadcast). A kernel that does not match is not used: the decoder then
+runs torch's sequence for it, and ``ReferenceDecoder.fused_kernels`` says which are in use.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ _verified: dict[tuple[int, torch.dtype], "FusedOps"] = {}
 
 class FusedOps:
     """The fused kernels verified for one device and dtype. ``cube`` is the x**3 rounding that
-    matched torch's (None: GELU is not fused); ``silu_mul`` and ``rope`` whether those matched."""
+    matched torch's (None: GELU is not fused); ``has_silu_mul`` and ``has_rope`` whether those
+    matched."""
 
     def __init__(self, device: int, dtype: torch.dtype, cube: int | None, silu_mul: bool, rope: bool) -> None:
         self.device = device
