@@ -99,8 +99,9 @@ GemmProblem normalized_gemm_problem(const GemmProblem& problem);
 // shape, leading dimensions, batch strides, dtype, transposes and operand alignment),
 // otherwise cublasGemmEx (or its strided batched form) with CUBLAS_GEMM_DEFAULT, the call
 // torch.matmul makes, so that an untuned product gives torch's bits.
-// Calls sharing a handle must not run concurrently on different streams: they share the
-// handle's workspace (as cuBLAS's own calls do).
+// Calls sharing a handle may run on different streams at once, from any thread: each stream
+// gets a workspace of its own (CublasHandle::begin_use), and the handle's lock is held from
+// binding the stream to the cuBLAS call.
 void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem, const void* a,
           const void* b, void* c, float alpha = 1.0f, float beta = 0.0f);
 
