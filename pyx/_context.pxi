@@ -380,7 +380,9 @@ cdef class InferenceContext:
 
         It first waits for all work queued on the device (``cudaDeviceSynchronize``, as
         ``cudaFree`` does), since any stream or captured graph may still use the workspace.
-        Nothing to do when no workspace is held.
+        Nothing to do when no workspace is held (none planned, or already released), except that
+        a release without ``keep_contents`` of a released workspace frees the host copy, and the
+        contents kept in it.
 
         When ``addresses_stable``, the memory is unmapped and its addresses stay reserved:
         views, DLPack capsules, tensors made from them and CUDA graphs captured on them stay
@@ -421,6 +423,7 @@ cdef class InferenceContext:
         ``release_workspace(keep_contents=True)`` are back when this returns. Raises
         WorkspaceOOMError when the device memory cannot be had; the context then stays
         released with its plan (and the kept contents), and a later call may succeed.
+        Nothing to do when the workspace is held; WorkspaceStateError before any gen_workspace.
         """
         try:
             with nogil:

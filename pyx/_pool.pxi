@@ -16,10 +16,10 @@ cdef class MemoryPool:
     Freed blocks stay reserved for the next allocation (after warm-up no call reaches
     ``cudaMalloc`` or ``cudaFree``); a block is handed out again only after every stream seen
     using it (kernels, DLPack exports with the consumer's stream) has finished with it: by an
-    event on the default streams and the contexts' own streams, by a device-wide
+    event on the default streams and the contexts' own and comm streams, by a device-wide
     synchronisation when a use was on another stream (which may no longer exist) or on a stream
-    not known (``__cuda_array_interface__`` exports). ``trim()`` gives the unused memory back to
-    the device.
+    not known (``__cuda_array_interface__`` exports, ``__dlpack__(stream=-1)``). ``trim()`` gives
+    the unused memory back to the device.
     """
 
     cdef shared_ptr[DevicePool] _pool
@@ -77,8 +77,9 @@ cdef class MemoryPool:
             self._pool.get().reset_peak()
 
     def trim(self, keep_bytes=0):
-        """Waits for the frees still queued, then returns unused memory to the device, keeping at
-        least ``keep_bytes`` reserved; returns the bytes reserved afterwards."""
+        """Waits for all work queued on the device (``cudaDeviceSynchronize``), so that the frees
+        still queued are done, then returns unused memory to the device, keeping at least
+        ``keep_bytes`` reserved; returns the bytes reserved afterwards."""
         cdef int64_t keep = _count_arg(keep_bytes, "keep_bytes", 0)
         cdef int64_t left
         with nogil:

@@ -1,4 +1,4 @@
-"""Type stubs of the compiled module inferctx._plan (pyx/_plan.pyx, pyx/_planner_api.pxi)."""
+"""Type stubs of the compiled module inferctx._plan (pyx/_plan.pyx, pyx/_coerce.pxi, pyx/_planner_api.pxi)."""
 
 from __future__ import annotations
 

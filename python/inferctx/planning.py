@@ -181,6 +181,8 @@ _PLAN_DOC_PARAMETERS = """
         ``'float16'`` (default), ``'bfloat16'`` or ``'float32'``.
     mp_size, rank : int
         Model-parallel size and this process's rank; heads are split across ranks.
+    external_cache : bool
+        The KV cache lives outside the workspace (default False): the plan has no KV regions.
     policy : {'exact', 'deepspeed'}
         ``'exact'`` (default): consistent units, GQA-aware, aligned regions. ``'deepspeed'``:
         DeepSpeed's numbers, quirks included.
@@ -300,7 +302,8 @@ def max_batch_size(shape: ModelShape | str, *, max_out_tokens: int, prompt_len: 
 
 max_batch_size.__doc__ = (
     "The largest batch_size whose plan holds every one of ``max_out_tokens`` tokens (0: none).\n\n"
-    "    Takes plan_workspace's arguments, without batch_size.\n" + _PLAN_DOC_PARAMETERS)
+    "    Takes plan_workspace's arguments, without batch_size (prompt_len defaults to 1).\n"
+    + _PLAN_DOC_PARAMETERS)
 
 
 def max_out_tokens_for(shape: ModelShape | str, *, batch_size: int, prompt_len: int = 1,
@@ -336,4 +339,5 @@ def _context_max_out_tokens(shape: ModelShape, *, batch_size: int, prompt_len: i
 max_out_tokens_for.__doc__ = (
     "The most tokens a batch holds: the largest max_out_tokens whose plan holds all of them for\n"
     "    ``batch_size`` sequences (0: not even max(prompt_len, min_out_tokens)).\n\n"
-    "    Takes plan_workspace's arguments, without max_out_tokens.\n" + _PLAN_DOC_PARAMETERS)
+    "    Takes plan_workspace's arguments, without max_out_tokens (prompt_len defaults to 1).\n"
+    + _PLAN_DOC_PARAMETERS)

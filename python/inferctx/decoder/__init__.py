@@ -19,9 +19,10 @@ context's cuBLAS handle; attention's QK^T and PV are ``inferctx.bmm``; MC-dropou
 SiLU, softmax, the mask, KV writes and argmax are torch operations on workspace views, written as
 transformers writes them (same operations, order and dtypes) so that the roundings agree. GELU,
 SiLU times the up projection and RoPE run instead as one inferctx kernel each (``_fused.py``,
-``cuda/src/decoder_ops.cu``) once each has given the bits of torch's sequence over every float16 /
-bfloat16 value (a million float32 values) on the installed torch; ``fused_kernels`` lists those in
-use, ``fused=False`` keeps torch's sequences.
+``cuda/src/decoder_ops.cu``) once each has given the bits of torch's sequence on the installed torch
+(GELU and SiLU over every float16 / bfloat16 value, a million float32 values; RoPE on random rows of
+a prompt and of a decode step); ``fused_kernels`` lists those in use, ``fused=False`` keeps torch's
+sequences.
 
 **Buffers.** ``gen_workspace(spec.model_shape(), batch_size=, prompt_len=, max_out_tokens=prompt_len
 + max_new_tokens, dtype=)`` plans the workspace. K and V of layer l are ``ctx.kv_cache(l)``

@@ -94,6 +94,8 @@ class ReferenceDecoder:
     ctx
         The InferenceContext (default: the one of ``device``, or the current device), or a
         ``CpuContext`` to run on the CPU. Its workspace is planned here (``gen_workspace``).
+    device
+        The device whose context is taken when ``ctx`` is None (default: the current device).
     dropout
         Probability p of MC-dropout on each block's output before the residual add (GPT-2's
         resid_pdrop places), through ``inferctx.dropout``; 0 (default) runs none.
@@ -554,7 +556,9 @@ class ReferenceDecoder:
     def release(self, keep_contents: bool = False) -> None:
         """Gives the workspace's memory back (``ctx.release_workspace``). With ``keep_contents`` the KV
         cache survives and the sequence goes on after ``retake()``; without, a new generation must
-        start. The CUDA graph is kept: the workspace keeps its addresses (``ctx.addresses_stable``)."""
+        start. The CUDA graph is kept where the workspace keeps its addresses
+        (``ctx.addresses_stable``); under the cudaMalloc fallback the decoder's views and graph are
+        dropped first (so that the allocation can be freed) and made again at the retake."""
         stable = bool(self.ctx.addresses_stable)
         if not stable:
             # Under the cudaMalloc fallback the allocation is freed only once no view holds it: the

@@ -54,7 +54,7 @@ class LayerWeights:
     ``qkv``: GPT-2's c_attn weight [hidden, 3 * hidden] (used as is), or Llama's q, k and v
     weights stacked [(heads + 2 * kv_heads) * head_dim, hidden] (used transposed); likewise
     ``up`` is GPT-2's c_fc [hidden, intermediate] or Llama's gate and up stacked
-    [2 * intermediate, hidden]; ``trans`` says which.
+    [2 * intermediate, hidden]; ``Weights.trans`` says which.
     """
 
     norm1_w: torch.Tensor
