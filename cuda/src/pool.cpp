@@ -206,11 +206,13 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
   }
   if (ptr == nullptr) return;
   CurrentDeviceScope on(device_, std::nothrow);
-  if (ordered && durable_user_captures(users)) {
+  if (durable_user_captures(users)) {
     // No free or event may be queued on a stream while it captures a CUDA graph (a free there
     // must name a block the graph allocated, and an event recorded there would pull the pool's
-    // stream into the capture): the block waits, counted, for the next device synchronisation
-    // that succeeds, which comes after the capture (the next such free, or trim()).
+    // stream into the capture), and a block that also needs a device synchronisation (a use not
+    // known, or on another stream) must not try one: it is refused during the capture and ends
+    // the capture in error. The block waits, counted, for the next device synchronisation that
+    // succeeds, which comes after the capture (the next such free, or trim()).
     std::lock_guard<std::mutex> lock(mutex_);
     deferred_.push_back({ptr, next_deferral_++});
     return;
@@ -273,6 +275,12 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
 bool DevicePool::durable_user_captures(const std::vector<cudaStream_t>& users) const noexcept {
   for (cudaStream_t user : users) {
     if (user == free_stream_) continue;
+    {
+      // Only a stream known to exist may be asked (another may be destroyed by now); the
+      // per-thread handle names the calling thread's own stream, which does.
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (user != cudaStreamPerThread && !durable(user)) continue;
+    }
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     const cudaError_t status = cudaStreamIsCapturing(user, &capture);
     if (status != cudaSuccess) cudaGetLastError();

@@ -281,6 +281,55 @@ TEST_CASE("gpu: a block let go while its durable stream captures a CUDA graph wa
   cudaFree(other);
 }
 
+TEST_CASE("gpu: a block also used where only a device synchronisation can wait, let go while its durable stream captures, leaves the capture alone") {
+  // One block also has a use not known, the other a use on a stream that is not durable: either
+  // would be freed after a device synchronisation, which is refused while the durable stream
+  // captures and ends that capture in error. Both are kept, counted, and the capture goes on.
+  auto pool = DevicePool::of(kDevice);
+  pool->trim(0);
+  cudaStream_t durable = new_stream();  // never destroyed: a durable stream lives as long as the process
+  pool->note_durable(durable);
+  cudaStream_t side = new_stream();
+  const int n = 1 << 18;
+  int* other = nullptr;
+  check_cuda(cudaMalloc(&other, int64_t{n} * 4), "cudaMalloc", kDevice);
+  const int64_t before = pool->stats().allocations;
+  auto unknown = pool->allocate(int64_t{n} * 4, durable);
+  auto also_on_side = pool->allocate(int64_t{n} * 4, durable);
+  fill<<<(n + 255) / 256, 256, 0, durable>>>(static_cast<int*>(unknown->data()), n, 1);
+  fill<<<(n + 255) / 256, 256, 0, durable>>>(static_cast<int*>(also_on_side->data()), n, 2);
+  check_cuda(cudaStreamSynchronize(durable), "cudaStreamSynchronize", kDevice);
+  unknown->note_unknown_use();
+  also_on_side->note_use(side);
+  CHECK_EQ(pool->stats().allocations - before, int64_t{2});
+  check_cuda(cudaStreamBeginCapture(durable, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture", kDevice);
+  fill<<<(n + 255) / 256, 256, 0, durable>>>(other, n, 3);  // the graph's work
+  unknown.reset();                                          // both let go during the capture
+  also_on_side.reset();
+  cudaGraph_t graph = nullptr;
+  CHECK_EQ(static_cast<int>(cudaStreamEndCapture(durable, &graph)), static_cast<int>(cudaSuccess));
+  CHECK(graph != nullptr);
+  CHECK_EQ(pool->stats().allocations - before, int64_t{2});  // kept, and counted
+  cudaGraphExec_t exec = nullptr;
+  if (graph != nullptr) {
+    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate", kDevice);
+    check_cuda(cudaGraphLaunch(exec, durable), "cudaGraphLaunch", kDevice);
+    check_cuda(cudaStreamSynchronize(durable), "cudaStreamSynchronize", kDevice);
+    std::vector<int> host(n);
+    check_cuda(cudaMemcpy(host.data(), other, int64_t{n} * 4, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+    int wrong = 0;
+    for (int v : host) wrong += v != 3;
+    CHECK_EQ(wrong, 0);  // the captured work ran
+  }
+  pool->trim(0);  // a device synchronisation: both kept blocks are freed now
+  CHECK_EQ(pool->stats().allocations, before);
+  CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaFree(other);
+  cudaStreamDestroy(side);
+}
+
 TEST_CASE("gpu: each thread's per-thread default stream gets a GEMM workspace of its own") {
   // cudaStreamPerThread is one handle for every thread's own stream: GEMMs of two threads on it
   // run at once, so sharing a workspace by handle would mix their partial results.

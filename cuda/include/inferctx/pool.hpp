@@ -19,8 +19,9 @@
 // mode: a block used on such a stream is not to be let go while a capture is in progress. Where
 // it is refused, the block stays allocated (and counted) until a later one succeeds (the next
 // such free, or trim()). A block whose durable streams include one that is capturing when it
-// is let go is kept the same way, with no synchronisation tried (nothing may be queued on a
-// capturing stream but the graph's own work).
+// is let go is kept the same way, with no synchronisation tried, whatever its other uses
+// (nothing may be queued on a capturing stream but the graph's own work, and the synchronisation
+// would end that capture in error).
 // So memory is never handed out again while any stream that was seen using it may still do so.
 #pragma once
 
@@ -104,7 +105,8 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // began after it).
   void free_deferred(uint64_t before) noexcept;
   void freed() noexcept;  // a block's free is queued: one allocation fewer
-  // Whether one of `users` (durable streams, on device_) captures a CUDA graph now.
+  // Whether one of `users` that may be asked (a durable stream, or the calling thread's
+  // per-thread default stream; on device_) captures a CUDA graph now. Takes mutex_.
   bool durable_user_captures(const std::vector<cudaStream_t>& users) const noexcept;
 
   int device_ = 0;
