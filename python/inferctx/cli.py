@@ -50,9 +50,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _clip_words(message: str, limit: int = 60) -> str:
-    """Long words (a 10^6-character value echoed back) clipped to `limit` characters."""
-    return re.sub(r"\S{%d,}" % (limit + 1), lambda m: f"{m.group(0)[:limit]}... ({len(m.group(0)):,} "
-                  f"characters)", message)
+    """Long words (a 10^6-character value echoed back) clipped to `limit` characters; a word
+    already clipped with its length given (the errors' own "'xxx'... (N characters)") is left."""
+    return re.sub(r"\S{%d,}(?!\S)(?! \([\d,]+ characters\))" % (limit + 1),
+                  lambda m: f"{m.group(0)[:limit]}... ({len(m.group(0)):,} characters)", message)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <csignal>
+#include <stdexcept>
 #include <string>
 
 #include "check.hpp"
@@ -31,8 +32,7 @@ ChildRun run_in_child(void (*body)()) {
     ::check::cases().clear();
     ::check::cases().push_back({"a case that passes", [] {}});
     ::check::cases().push_back({"a case that crashes", body});
-    ::check::run_all();
-    _exit(0);
+    _exit(::check::run_all());  // the run's own exit code
   }
   close(fds[1]);
   char buf[4096];
@@ -67,8 +67,30 @@ TEST_CASE("cpu: a segmentation fault is reported too") {
 TEST_CASE("cpu: a clean run exits 0 and says so") {
   const ChildRun r = run_in_child([] {});
   CHECK(WIFEXITED(r.status));
+  CHECK_EQ(WIFEXITED(r.status) ? WEXITSTATUS(r.status) : -1, 0);
+  CHECK(has(r.out, "[PASS] a case that crashes\n"));  // (the second case, here one that does nothing)
   CHECK(has(r.out, "2 cases, 0 failed checks"));
   CHECK(!has(r.out, "CRASH"));
+}
+
+TEST_CASE("cpu: failed checks are counted, the case marked FAIL, and the run exits 1") {
+  const ChildRun r = run_in_child([] {
+    CHECK(1 + 1 == 3);
+    CHECK_EQ(2 + 2, 5);
+    CHECK_THROWS(std::runtime_error, (void)0);  // throws nothing
+  });
+  CHECK_EQ(WIFEXITED(r.status) ? WEXITSTATUS(r.status) : -1, 1);
+  CHECK(has(r.out, "[PASS] a case that passes\n"));
+  CHECK(has(r.out, "[FAIL] a case that crashes\n"));
+  CHECK(has(r.out, "CHECK(1 + 1 == 3) failed"));
+  CHECK(has(r.out, "CHECK_EQ(2 + 2, 5) failed: 4 vs 5"));
+  CHECK(has(r.out, "did not throw std::runtime_error"));
+  CHECK(has(r.out, "2 cases, 3 failed checks"));
+  // An exception out of a case is a failure too.
+  const ChildRun t = run_in_child([] { throw std::runtime_error("out of the case"); });
+  CHECK_EQ(WIFEXITED(t.status) ? WEXITSTATUS(t.status) : -1, 1);
+  CHECK(has(t.out, "unexpected exception: out of the case"));
+  CHECK(has(t.out, "2 cases, 1 failed checks"));
 }
 
 CHECK_MAIN()

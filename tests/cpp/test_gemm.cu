@@ -592,6 +592,7 @@ TEST_CASE("gpu: untuned choices are bounded in number, tuned ones stay") {
   const GemmProblem tuned = packed_gemm_problem(F32, 64, 128, 256);
   tune_gemm(*gpu().handle, gpu().stream, tuned, quick_options());
   CHECK_EQ(export_gemm_cache().size(), size_t{1});
+  const int64_t before = gemm_cache_size();  // the tuned entry (and any untuned ones the tuning left)
   const int64_t rows = 4146;
   DeviceAllocation a(0, rows * 8 * 4), b(0, 8 * 8 * 4), c(0, rows * 8 * 4);
   INFERCTX_CUDA(cudaMemset(a.data(), 0, static_cast<size_t>(a.size())), 0);
@@ -606,7 +607,12 @@ TEST_CASE("gpu: untuned choices are bounded in number, tuned ones stay") {
   std::printf("    (most entries at once: %lld, at the end: %lld)\n", static_cast<long long>(most),
               static_cast<long long>(gemm_cache_size()));
   CHECK(most <= 4096 + 1);
-  CHECK(gemm_cache_size() >= 1);
+  // Each m is a signature of its own: the untuned entries grow one a call up to the limit, the
+  // tuned one beside them (4096 + 1); the call past the limit drops every untuned one and adds
+  // its own, so after 4146 calls the entries of the last 4146 - 4096 remain, with what was there
+  // before (the tuned entry, and any untuned ones, which were the first to count).
+  CHECK_EQ(most, int64_t{4096} + 1);
+  CHECK_EQ(gemm_cache_size(), before + (rows - 4096));
   const auto kept = export_gemm_cache();
   CHECK_EQ(kept.size(), size_t{1});
   if (!kept.empty()) CHECK(same_problem(kept[0].problem, normalized_gemm_problem(tuned)));

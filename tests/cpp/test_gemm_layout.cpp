@@ -59,6 +59,10 @@ TEST_CASE("contiguous operands give the packed problem") {
   L = gemm_layout(2, false, false, array(1, {8, 16}, {16, 1}), array(1, {16, 32}, {1, 16}), nullptr);
   CHECK(fields(normalized_gemm_problem(L.problem)) ==
         fields(normalized_gemm_problem(packed_gemm_problem(1, 8, 32, 16, 1, false, true))));
+  // By hand: b is the stored (32, 16) weight transposed, so trans_b with ldb = 16 (its rows).
+  CHECK(fields(L.problem) == (std::vector<int64_t>{8, 32, 16, 16, 16, 32, 1, 0, 0, 256, 0, 1}));
+  CHECK(L.out_shape == (std::vector<int64_t>{8, 32}));
+  CHECK(!L.swap);
 }
 
 TEST_CASE("transposed views, padded rows and trans flags") {
@@ -136,7 +140,7 @@ TEST_CASE("addresses: out sharing an input, side by side, misaligned") {
   L = gemm_layout(2, false, false, f32({6, 4}, {12, 1}), f32({4, 8}, {8, 1}), &out);
   CHECK(refusal([&] { check_gemm_addresses(L, 0x1000, 0x9000, 0x1000 + 16); }).argument.empty());
   r = refusal([&] { check_gemm_addresses(L, 0x1000, 0x9000, 0x1000 + 12); });  // out from column 3
-  CHECK(r.argument == "out");
+  CHECK(r.argument == "out" && has(r.message, "shares memory with a"));
   r = refusal([&] { check_gemm_addresses(L, 0x1000, 0x9002, 0x20000); });
   CHECK(r.argument == "b" && has(r.message, "0x9002") && has(r.message, "4-byte"));
 }

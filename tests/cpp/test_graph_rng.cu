@@ -217,14 +217,23 @@ TEST_CASE("host: a captured source is checked before anything runs") {
 }
 
 TEST_CASE("host: the reference of site k, replay r is cuRAND at (k * 2^36 + i / 4, 2^63 + 4 r)") {
-  // Two elements by hand: element 5 of site 2, replay 3 is output 1 of the block at
-  // subsequence 2 * 2^36 + 1 and offset 2^63 + 12.
-  const Mask m = graph_reference(99, 2, 3, 0.5, 8);
-  curandStatePhilox4_32_10_t s;
-  curand_init(99, (uint64_t{2} << 36) + 1, (uint64_t{1} << 63) + 12, &s);
-  const float4 u = curand_uniform4(&s);
-  CHECK_EQ((m[0] >> 5) & 1u, static_cast<uint32_t>(u.y > 0.5f));
-  CHECK_EQ((m[0] >> 4) & 1u, static_cast<uint32_t>(u.x > 0.5f));
+  // By hand: element i of site 2, replay 3 is output i % 4 of the block at subsequence
+  // 2 * 2^36 + i / 4 and offset 2^63 + 12 (element 5: output 1 of subsequence 2 * 2^36 + 1).
+  // 64 elements, so that a wrong subsequence or offset cannot match by chance (2^-64).
+  const Mask m = graph_reference(99, 2, 3, 0.5, 64);
+  CHECK_EQ(m.size(), size_t{2});
+  int wrong = 0, kept = 0;
+  for (uint64_t i = 0; i < 64; ++i) {
+    curandStatePhilox4_32_10_t s;
+    curand_init(99, (uint64_t{2} << 36) + i / 4, (uint64_t{1} << 63) + 12, &s);
+    const float4 u = curand_uniform4(&s);
+    const float v[4] = {u.x, u.y, u.z, u.w};
+    const uint32_t want = v[i % 4] > 0.5f ? 1u : 0u;
+    wrong += ((m[i / 32] >> (i % 32)) & 1u) != want;
+    kept += static_cast<int>(want);
+  }
+  CHECK_EQ(wrong, 0);
+  CHECK(kept > 0 && kept < 64);  // both outcomes occur: the bits are no constant
 }
 
 // ---- GPU ----------------------------------------------------------------------------------------
@@ -403,11 +412,14 @@ TEST_CASE("gpu: fp16 and bf16 with byte masks and odd sizes, and explicit host v
   INFERCTX_CUDA(cudaGraphInstantiate(&exec, graph, 0), 0);
   DeviceBuffer all(2 * n / 8);
   for (int r = 0; r < 2; ++r) {
+    // Cleared before each replay: a replay that wrote nothing would leave zeros, not the mask.
+    INFERCTX_CUDA(cudaMemsetAsync(mask.ptr, 0, static_cast<size_t>(n / 8), st.s), 0);
     INFERCTX_CUDA(cudaGraphLaunch(exec, st.s), 0);
     keep_mask(all, r, mask.ptr, n / 32, st.s);
   }
   INFERCTX_CUDA(cudaStreamSynchronize(st.s), 0);
   const std::vector<Mask> fixed = download_masks(all, 2, n / 32);
+  CHECK(reference_bits(77, 0, 40, 0.5, n) != Mask(static_cast<size_t>(n / 32), 0u));
   CHECK(check_mask("fixed state, replay 0", fixed[0], reference_bits(77, 0, 40, 0.5, n)));
   CHECK(check_mask("fixed state, replay 1", fixed[1], reference_bits(77, 0, 40, 0.5, n)));
   cudaGraphExecDestroy(exec);

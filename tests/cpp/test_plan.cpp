@@ -79,9 +79,16 @@ TEST_CASE("deepspeed policy with external cache leaves the cache out of the byte
 }
 
 TEST_CASE("deepspeed policy: below the minimum is an OOM") {
-  // 100 MiB free (<= 1 GiB): minimal = 524288 + 100 MiB > free.
+  // 100 MiB free (<= 1 GiB): minimal = 524288 + 100 MiB = 100.50 MiB > free.
   PlanRequest r = deepspeed_llama7b(100 * kMiB);
   CHECK_THROWS(WorkspaceOOMError, plan_workspace(r));
+  std::string m;
+  try {
+    plan_workspace(r);
+  } catch (const WorkspaceOOMError& e) {
+    m = e.what();
+  }
+  CHECK(m.find("free memory 100.00 MiB is below DeepSpeed's minimum of 100.50 MiB") != std::string::npos);
 }
 
 TEST_CASE("exact policy, bound by max_out_tokens") {
@@ -211,12 +218,24 @@ TEST_CASE("exact policy: the batch, max_out_tokens and token answers are offered
 }
 
 TEST_CASE("both policies refuse a prompt that does not fit") {
+  auto message = [](const PlanRequest& req) {
+    try {
+      plan_workspace(req);
+    } catch (const WorkspaceOOMError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no WorkspaceOOMError");
+  };
   PlanRequest r = deepspeed_llama7b(8 * kGiB);  // 1367 tokens fit
   r.prompt_len = 1500;
   CHECK_THROWS(WorkspaceOOMError, plan_workspace(r));
+  CHECK(message(r).find("1367 tokens fit, fewer than prompt_len=1500") != std::string::npos);
   r.policy = static_cast<int>(Policy::Exact);
   r.free_bytes = 2 * kGiB;
   CHECK_THROWS(WorkspaceOOMError, plan_workspace(r));
+  // Exact, batch 8, max_out 2048: a token takes 10*32*128*8*2 + 64 x 8*32*128*2 + 8*32*2048*2
+  // = 655360 + 4194304 + 1048576 = 5898240 B; 2 GiB - 500 MiB = 1623195648 B holds 275 tokens.
+  CHECK(message(r).find("275 tokens fit, fewer than prompt_len=1500") != std::string::npos);
 }
 
 TEST_CASE("GQA: the exact policy sizes KV with num_kv_heads, deepspeed with num_heads") {
@@ -417,6 +436,8 @@ TEST_CASE("default reserve: 100 MiB up to 1 GiB, a ramp, then 500 MiB; the budge
   r.free_bytes = kGiB;
   r.total_bytes = 2 * kGiB;
   const int64_t at_1g = plan_workspace(r).max_tokens;
+  // 1 GiB - 100 MiB = 968884224 B at 81920 + 524288 + 32 x 100000 x 2 = 7006208 B a token: 138.
+  CHECK_EQ(at_1g, 138);
   r.free_bytes = kGiB + 1;
   CHECK_EQ(plan_workspace(r).max_tokens, at_1g);
   int64_t previous = 0;
@@ -450,10 +471,20 @@ TEST_CASE("memory_fraction 1.0 of 2^63 - 1 free bytes stays 2^63 - 1 (no double-
   WorkspacePlan p = plan_workspace(r);
   CHECK_EQ(p.budget_bytes, INT64_MAX - 500 * kMiB);
   CHECK_EQ(p.max_tokens, 16);
-  r.memory_fraction = 0.9999999999999999;  // the product rounds to 2^63 in double
+  r.memory_fraction = 0.9999999999999999;  // 1 - 2^-53: of 2^63 (the double nearest 2^63 - 1), 2^63 - 1024
   p = plan_workspace(r);
   CHECK(p.budget_bytes > 0);
   CHECK(p.budget_bytes <= INT64_MAX - 500 * kMiB);
+  // 2^63 - 1024 is above free - reserve: the reserve still sets the budget.
+  CHECK_EQ(p.budget_bytes, INT64_MAX - 500 * kMiB);
+  CHECK(p.budget_limit == "reserve");
+  // With no reserve the fraction is the limit: (1 - 2^-53) x 2^63 = 2^63 - 1024 exactly, no wrap.
+  r.has_reserve = true;
+  r.reserve_bytes = 0;
+  p = plan_workspace(r);
+  CHECK_EQ(p.budget_bytes, int64_t{9223372036854774784});
+  CHECK(p.budget_limit == "memory_fraction");
+  CHECK_EQ(p.max_tokens, 16);
 }
 
 TEST_CASE("max_batch_size and max_out_tokens_for: the largest request that holds every token") {

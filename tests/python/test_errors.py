@@ -1,6 +1,10 @@
 """The error hierarchy: base classes, fields, pickling, and the C++ translation."""
 
+import json
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -35,7 +39,7 @@ def test_hierarchy_and_pickle(cls, fields, bases):
 
 
 def test_unknown_field_is_a_type_error():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"^ConfigError got unknown fields \['colour'\]$"):
         errors.ConfigError("x", colour="red")
 
 
@@ -52,6 +56,27 @@ def test_cpp_config_error_translated_with_argument():
     assert info.value.argument == "num_heads" and "got 0" in str(info.value)
 
 
+# What cudaGetDeviceCount gives where no device can be used: none visible, or no driver.
+NO_DEVICE = {"cudaErrorNoDevice": 100, "cudaErrorInsufficientDriver": 35}
+
+
+def _device_count_where(visible):
+    """_core._device_count() in a fresh process that sees the devices `visible` names
+    (CUDA_VISIBLE_DEVICES): the count, or the NoCudaDeviceError's fields."""
+    code = ("import json\n"
+            "from inferctx import _core, errors\n"
+            "try:\n"
+            "    print(json.dumps({'count': _core._device_count()}))\n"
+            "except errors.NoCudaDeviceError as e:\n"
+            "    print(json.dumps({'error': str(e), 'name': e.name, 'code': e.code, 'call': e.call,\n"
+            "                      'device': e.device, 'type': type(e).__name__}))\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible,
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_device_count_or_no_device_error():
     from conftest import gpu_available
 
@@ -59,24 +84,29 @@ def test_device_count_or_no_device_error():
 
     if gpu_available()[0]:
         assert _core._device_count() >= 1
-        return
-    with pytest.raises(errors.NoCudaDeviceError) as info:
-        _core._device_count()
-    assert "Planning" in str(info.value) and info.value.name
+        # One device made visible is one device counted (the first of those this process may see).
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
+        assert _device_count_where(first) == {"count": 1}
+    else:
+        with pytest.raises(errors.NoCudaDeviceError) as info:
+            _core._device_count()
+        assert "Planning" in str(info.value) and info.value.name in NO_DEVICE
+        assert info.value.code == NO_DEVICE[info.value.name] and info.value.call == "cudaGetDeviceCount"
+    # No device visible, on any machine: NoCudaDeviceError, from cudaGetDeviceCount.
+    got = _device_count_where("")
+    assert got["type"] == "NoCudaDeviceError" and got["name"] in NO_DEVICE, got
+    assert (got["code"], got["call"], got["device"]) == (NO_DEVICE[got["name"]], "cudaGetDeviceCount", None)
+    assert "Planning" in got["error"]
 
 
 def test_no_device_error_words_the_planning_remedy():
-    from conftest import gpu_available
-
-    from inferctx import _core
-
-    if gpu_available()[0]:
-        pytest.skip("needs a machine without a usable GPU")
-    with pytest.raises(errors.NoCudaDeviceError) as info:
-        _core._device_count()
-    # the C++ message ends with the facts; the Python class adds the fix in the CLI's terms
-    assert str(info.value).endswith("no usable CUDA device or driver. Planning (plan_workspace, "
-                                    "`inferctx plan --free-gb ... --total-gb ...`) works without one.")
+    # Run where no device is visible (CUDA_VISIBLE_DEVICES empty), so that a GPU machine checks
+    # it too: the C++ message ends with the facts; the Python class adds the fix in the CLI's terms.
+    got = _device_count_where("")
+    assert got.get("type") == "NoCudaDeviceError", got
+    assert got["error"].startswith(f"{got['name']}: ")
+    assert got["error"].endswith("(in cudaGetDeviceCount); no usable CUDA device or driver. Planning "
+                                 "(plan_workspace, `inferctx plan --free-gb ... --total-gb ...`) works without one.")
 
 
 @pytest.mark.parametrize("remedy, device, part", [

@@ -196,12 +196,15 @@ def test_explicit_seed_and_offset_stay_fixed_under_capture(torch, ctx):
     with torch.cuda.graph(g):
         inferctx.dropout(x, 0.5, out=y, mask_out=mk, seed=5, offset=40)
     assert _core.graph_rng_state(ctx)["sites"] == sites  # no call site taken
+    want = eager_words(5, 40, 0.5, n)
+    assert want.any()  # distinguishable from the zeros the mask is cleared to below
     rows = []
     for _ in range(3):
+        mk.zero_()  # each replay must write the mask again
         g.replay()
         rows.append(host_words(torch, mk))
     for row in rows:
-        np.testing.assert_array_equal(row, eager_words(5, 40, 0.5, n))
+        np.testing.assert_array_equal(row, want)
 
 
 def test_set_seed_restarts_a_graph_at_replay_0(torch, ctx):
@@ -433,12 +436,33 @@ def test_capture_on_a_stream_of_another_device_is_refused(torch, cudart):
 # -- host-side facts ----------------------------------------------------------------------------
 
 def test_graph_rng_state_reports_the_eager_and_graph_state(torch, ctx):
+    before = _core.graph_rng_state(ctx)
     set_seed_settled(torch, ctx, 12)
     ctx.increment_offset(8)
     s = _core.graph_rng_state(ctx)
-    assert s["seed"] == 12 and s["offset"] == 8
-    assert s["sites"] >= 0 and s["live_sites"] >= 0 and s["slots"] >= s["live_sites"]
+    # set_seed: the seed, the offset back to 0 (then 8), one epoch more; no call site taken.
+    assert (s["seed"], s["offset"], s["epoch"], s["sites"]) == (12, 8, before["epoch"] + 1, before["sites"])
+    assert s["slots"] >= s["live_sites"]
     assert ctx.rng_state == (12, 8)
-    with pytest.raises(ConfigError):
+    # No argument: the current device's context, the same state.
+    default = _core.graph_rng_state()
+    assert (default["seed"], default["offset"], default["epoch"], default["sites"]) == (12, 8, s["epoch"], s["sites"])
+    # A capture takes the next call site and holds it live; the eager state stays as it was.
+    n = 1024
+    x = torch.ones(n, device="cuda")
+    y = torch.empty_like(x)
+    mk = torch.empty(n // 32, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    live = settled_live_sites(ctx)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        inferctx.dropout(x, 0.5, out=y, mask_out=mk)
+    c = _core.graph_rng_state(ctx)
+    assert (c["seed"], c["offset"], c["epoch"], c["sites"]) == (12, 8, s["epoch"], s["sites"] + 1)
+    assert c["live_sites"] == live + 1 and c["slots"] >= c["live_sites"]
+    assert ctx.rng_state == (12, 8)
+    del g
+    with pytest.raises(ConfigError) as info:
         _core.graph_rng_state("ctx")
+    assert info.value.argument == "ctx" and "got str" in str(info.value)
     assert not _core._stream_capturing(torch.cuda.current_stream().cuda_stream, ctx.device)

@@ -84,6 +84,11 @@ def test_lazy_names_are_the_gpu_modules_names():
     _core, context, gemm = (importlib.import_module(f"inferctx.{m}") for m in ("_core", "context", "gemm"))
 
     lazy = inferctx._GPU_NAMES
+    # The GPU names the package's docstring lists, each from the module that defines it.
+    assert {n: lazy.get(n) for n in ("InferenceContext", "DeviceView", "PinnedBuffer", "Stream", "Event", "dropout",
+                                     "apply_mask", "gemm", "bmm")} == {
+        "InferenceContext": "context", "DeviceView": "context", "PinnedBuffer": "context", "Stream": "context",
+        "Event": "context", "dropout": "_core", "apply_mask": "_core", "gemm": "gemm", "bmm": "gemm"}
     assert {n for n, m in lazy.items() if m == "gemm"} == set(gemm.__all__)
     assert {n for n, m in lazy.items() if m == "context"} == set(context.__all__) - {"logger"}
     for name, module in lazy.items():

@@ -186,7 +186,7 @@ def test_indices_path_equals_prefix_path_for_millions_of_elements():
 
 
 def test_offsets_must_be_multiples_of_four():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="multiples of 4"):
         ref.dropout_keep(1, 6, 0.5, 10)
 
 
@@ -235,6 +235,10 @@ def test_dropout_scale():
     p32 = float(np.float32(0.1))
     assert ref.dropout_scale(0.1) == np.float32(1.0 / (1.0 - p32))
     assert ref.dropout_scale(0.1).dtype == np.float32
+    # Worked out from the double p, rounded once: 1 / (1 - 0.9) = 10.000000000000002 -> 10.0f,
+    # where p rounded to float32 first (0.89999998) would give 9.999998f.
+    assert ref.dropout_scale(0.9).view(np.uint32) == np.float32(10.0).view(np.uint32)
+    assert np.float32(1.0 / (1.0 - float(np.float32(0.9)))) != np.float32(10.0)
 
 
 def test_dropout_float32_signs_and_zeros():

@@ -45,9 +45,13 @@ def test_gqa_exact_vs_deepspeed():
     kw = dict(batch_size=4, prompt_len=128, max_out_tokens=8192, free_bytes=141 * GIB, total_bytes=141 * GIB)
     exact = plan_workspace("llama-3-70b", **kw)
     ds = plan_workspace("llama-3-70b", policy="deepspeed", **kw)
-    assert exact.kv_tensor_bytes == 4 * 8 * exact.max_tokens * 128 * 2
-    assert ds.kv_tensor_bytes == 4 * 64 * ds.max_tokens * 128 * 2
-    assert exact.max_tokens >= ds.max_tokens
+    # Both hold all 8192 tokens. Exact: 10x64x128x4x2 + 160 x 4x8x128x2 + 4x64x8192x2 = 6,160,384 B
+    # per token, 8192 of them well inside 141 GiB - 500 MiB. DeepSpeed: act 327,680 + temp
+    # 2,097,152 + cache 5,242,880 = 7,667,712 elements per token; (141 GiB - 2,097,152 - 500 MiB)
+    # / 2 / 7,667,712 = 9838 tokens, more than 8192.
+    assert exact.max_tokens == ds.max_tokens == 8192
+    assert exact.kv_tensor_bytes == 4 * 8 * 8192 * 128 * 2 == 67_108_864
+    assert ds.kv_tensor_bytes == 4 * 64 * 8192 * 128 * 2 == 8 * exact.kv_tensor_bytes
 
 
 def test_mqa_falcon_head_padding():
@@ -74,6 +78,11 @@ def test_memory_bound_plan_is_maximal():
     kw = dict(batch_size=64, prompt_len=1, max_out_tokens=32768, free_bytes=24 * GIB, total_bytes=24 * GIB)
     p = plan_workspace("llama-2-7b", **kw)
     assert p.bound_by == "memory"
+    # Per token: activations 10x32x128x64x2 = 5,242,880, K and V 64 x 64x32x128x2 = 33,554,432,
+    # scores 64x32x32768x2 = 134,217,728: 173,015,040 B (all multiples of 256). Budget
+    # 24 GiB - 500 MiB = 25,245,515,776 B holds 145 tokens (25,087,180,800 B); 146 need 25,260,195,840.
+    assert p.max_tokens == 145 and p.workspace_bytes == 145 * 173_015_040 == 25_087_180_800
+    assert p.budget_bytes == 25_245_515_776 < 146 * 173_015_040
     fields = _request_fields("llama-2-7b", **kw)
     from inferctx import _core
 
@@ -88,7 +97,12 @@ def test_oom_states_figures_and_what_fits():
     e = info.value
     assert e.free_bytes == 80 * GIB and e.budget_bytes == 80 * GIB - 500 * MIB
     assert e.requested_bytes > e.budget_bytes
-    assert e.max_batch_size is not None and 1 <= e.max_batch_size < 64
+    # Llama-2-70B per token and sequence: activations 10x64x128x2 = 163,840, K and V
+    # 160 x 8x128x2 = 327,680, scores 64x8192x2 = 1,048,576: 1,540,096 B; x 4096 prompt tokens =
+    # 6,308,233,216 B a sequence. 64 need 403,726,925,824 B; the budget 80 GiB - 500 MiB =
+    # 85,375,057,920 B holds 13 (82,007,031,808 B), not 14 (88,315,265,024 B).
+    assert e.requested_bytes == 64 * 6_308_233_216 == 403_726_925_824
+    assert e.max_batch_size == 13
     msg = str(e)
     assert "prompt_len=4096" in msg and "budget" in msg and f"batch_size <= {e.max_batch_size}" in msg
     # the suggestion really fits, one more does not
@@ -106,7 +120,11 @@ def test_oom_max_out_tokens_suggestion_fits():
     with pytest.raises(WorkspaceOOMError) as info:
         plan_workspace("llama-2-7b", max_out_tokens=1_000_000, **kw)
     m = info.value.max_out_tokens
-    assert m is not None and 100 <= m < 1_000_000
+    # The 100 tokens that must fit: activations 10x32x128x100x2 = 8,192,000 and K, V
+    # 64 x 32x100x128x2 = 52,428,800, plus scores 32 x m x 100 x 2 = 6400 m (all multiples of
+    # 256). Budget 3 GiB - 500 MiB = 2,696,937,472: m <= 2,636,316,672 / 6400 = 411,924.48.
+    assert info.value.requested_bytes == 60_620_800 + 6400 * 1_000_000 == 6_460_620_800
+    assert m == 411_924
     plan_workspace("llama-2-7b", max_out_tokens=m, **kw)
     with pytest.raises(WorkspaceOOMError):
         plan_workspace("llama-2-7b", max_out_tokens=m + 1, **kw)
@@ -257,12 +275,15 @@ def test_dtypes_accept_strings_numpy_and_torch_like():
             return "torch.bfloat16"
 
     FakeTorchDtype.__module__ = "torch"
-    sizes = {}
-    for d in ("fp16", "float16", "half", np.float16, np.dtype("float16"), "bf16", "BFloat16",
-              FakeTorchDtype(), "fp32", np.float32):
-        sizes[repr(d)] = plan_workspace("llama-2-7b", dtype=d, **BASE).elem_size
-    assert set(sizes.values()) == {2, 4}
-    assert plan_workspace("llama-2-7b", dtype=FakeTorchDtype(), **BASE).dtype == "bfloat16"
+    expected = [("fp16", "float16", 2), ("float16", "float16", 2), ("half", "float16", 2),
+                (np.float16, "float16", 2), (np.dtype("float16"), "float16", 2), ("bf16", "bfloat16", 2),
+                ("BFloat16", "bfloat16", 2), (FakeTorchDtype(), "bfloat16", 2), ("fp32", "float32", 4),
+                (np.float32, "float32", 4)]
+    for d, name, size in expected:
+        p = plan_workspace("llama-2-7b", dtype=d, **BASE)
+        assert (p.dtype, p.elem_size) == (name, size), d
+        # 10 x 32 heads x 128 x 1 sequence x 128 tokens x the element size
+        assert p.activations_bytes == 10 * 32 * 128 * 128 * size, d
 
 
 def test_to_dict_and_str():
@@ -329,6 +350,32 @@ def test_no_device_message_has_one_full_stop_between_sentences():
         plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, free_bytes=8 * GIB)
     text = info.value.message
     assert ".;" not in text and ". total_bytes was not given (only free_bytes)" in text
+
+
+def test_no_device_message_has_one_full_stop_between_sentences_where_a_gpu_is_hidden():
+    """The same, from the device query itself, on any machine: with no device visible
+    (CUDA_VISIBLE_DEVICES empty) the runtime's own error is what the message starts from."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, inferctx\n"
+            "try:\n"
+            "    inferctx.plan_workspace('llama-2-7b', batch_size=1, prompt_len=1, max_out_tokens=16,\n"
+            "                            free_bytes=8 << 30)\n"
+            "except inferctx.NoCudaDeviceError as e:\n"
+            "    print(json.dumps([e.message, e.name, e.call]))\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text, name, call = json.loads(done.stdout.strip().splitlines()[-1])
+    assert call == "cudaGetDeviceCount" and name in ("cudaErrorNoDevice", "cudaErrorInsufficientDriver")
+    assert text.startswith(f"{name}: ") and ".;" not in text and ". ." not in text
+    assert text.endswith("no usable CUDA device or driver. Planning (plan_workspace, `inferctx plan --free-gb ... "
+                         "--total-gb ...`) works without one. total_bytes was not given (only free_bytes), so it "
+                         "was to be read from the device: pass total_bytes= as well (or gpu=, a GPU preset, "
+                         "instead of free_bytes=) to plan without a GPU.")
 
 
 @pytest.mark.parametrize("weights", ["foo", "AUTO", 1.5, True, b"auto", [1]])
@@ -405,9 +452,20 @@ def test_exact_plans_are_sound_and_maximal(shape, batch, max_out, dtype, free, f
 
 
 def test_version_and_exports():
-    assert inferctx.__version__
-    for name in ("ModelShape", "plan_workspace", "WorkspacePlan", "ConfigError", "WorkspaceOOMError"):
-        assert hasattr(inferctx, name)
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    from inferctx import errors, planning
+
+    # The version the package reports is the project's (pyproject.toml) and the installed one's.
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    (version,) = re.findall(r'^version = "([^"]+)"$', pyproject, re.M)
+    assert inferctx.__version__ == version == metadata.version("inferctx")
+    for name, module in (("ModelShape", planning), ("plan_workspace", planning), ("WorkspacePlan", planning),
+                         ("ConfigError", errors), ("WorkspaceOOMError", errors)):
+        assert name in inferctx.__all__
+        assert getattr(inferctx, name) is getattr(module, name)
 
 
 def test_numbers_of_any_numeric_type_are_accepted():
@@ -457,8 +515,14 @@ def test_max_batch_size_and_max_out_tokens_for():
     per_sequence = 10 * 32 * 128 * 2048 * 2 + 64 * 32 * 2048 * 128 * 2 + 32 * 2048 * 2048 * 2
     assert b == (24 * GIB - 500 * MIB) // per_sequence == 16
     m = inferctx.max_out_tokens_for("llama-2-7b", batch_size=16, **kw)
-    assert m >= 2048 and plan_workspace("llama-2-7b", batch_size=16, max_out_tokens=m, **kw).max_tokens == m
-    assert plan_workspace("llama-2-7b", batch_size=16, max_out_tokens=m + 1, **kw).max_tokens <= m
+    # 16 sequences of t tokens, every one of max_out_tokens = t held: (1,310,720 + 8,388,608) t
+    # + 16x32x t x t x 2 = 9,699,328 t + 1024 t^2 <= 25,245,515,776, i.e. t^2 + 9472 t <=
+    # 24,653,824: t = 2125 (24,643,625); 2126 gives 24,657,348.
+    assert m == 2125
+    assert plan_workspace("llama-2-7b", batch_size=16, max_out_tokens=m, **kw).max_tokens == m
+    # With max_out_tokens 2126 the scores take 16x32x2126x2 = 2,177,024 B a token: 11,876,352 B in
+    # all, and 25,245,515,776 / 11,876,352 = 2125.7 tokens fit.
+    assert plan_workspace("llama-2-7b", batch_size=16, max_out_tokens=m + 1, **kw).max_tokens == 2125
     # Llama-2-70B (8 KV heads): 10x64x128x2048x2 + 160 x 8x2048x128x2 + 64x2048x2048x2 = 1,543,503,872 B
     assert inferctx.max_batch_size("llama-2-70b", max_out_tokens=2048, **kw) == \
         (24 * GIB - 500 * MIB) // 1_543_503_872 == 16

@@ -216,7 +216,9 @@ def test_largest_figures_do_not_wrap():
     p = plan_workspace(ModelShape(2**40, 1, 128), batch_size=1, prompt_len=1, max_out_tokens=8,
                        free_bytes=INT64_MAX, total_bytes=INT64_MAX)
     assert len(p.regions) == 2 + 2 * 2**40 and p.regions[-2].name == f"kv_cache[{2**40 - 1}].value"
-    assert p.kv_cache_bytes == 2**40 * 2 * p.kv_tensor_bytes
+    # all 8 tokens fit; one K or V: batch 1 x 1 head x 8 tokens x 128 x 2 B = 2048 B, 2^41 of them
+    assert p.max_tokens == 8 and p.kv_tensor_bytes == 1 * 1 * 8 * 128 * 2 == 2048
+    assert p.kv_cache_bytes == 2**40 * 2 * 2048 == 2**52
 
 
 WILD_INT = st.one_of(st.integers(-3, 5000), st.integers(-(2**70), 2**70), st.sampled_from([2**63 - 1, 2**63, -(2**63)]))

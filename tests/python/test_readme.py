@@ -64,7 +64,9 @@ def test_readme_plan_excerpt_is_what_the_main_job_prints(capsys):
     (excerpt,) = blocks(section("## Set-up"), "")
     main(shlex.split("plan --preset llama-2-7b --gpu h100-80gb --batch 8 --max-tokens 4096"))
     printed = capsys.readouterr().out.splitlines()
-    for line in excerpt.strip("\n").splitlines():
+    lines = excerpt.strip("\n").splitlines()
+    assert len(lines) == 5  # memory, weights, planned, max tokens, workspace
+    for line in lines:
         assert line in printed
 
 

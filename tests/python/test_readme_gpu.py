@@ -50,3 +50,10 @@ def test_the_gpu_example_runs_as_written(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[0] == "0.0"  # c and c_buf agree, unsynchronised
     assert (tmp_path / "gemm.json").exists()
+    # autotune_gemm wrote the tuned (8, 4096, 4096) bf16 problem to the cache file.
+    import json
+
+    doc = json.loads((tmp_path / "gemm.json").read_text())
+    assert doc["format"] == "inferctx-gemm-cache" and doc["version"] == 1
+    assert [(e["dtype"], e["m"], e["n"], e["k"], e["batch"]) for e in doc["entries"]] == [
+        ("bfloat16", 8, 4096, 4096, 1)]

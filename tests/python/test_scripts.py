@@ -51,6 +51,7 @@ def test_any_machine_the_fuzz_step_runs_every_gpu_fuzz_suite():
     suites = sorted(name[len("test_gpu_"):] for name, fn in inspect.getmembers(module, inspect.isfunction)
                     if name.startswith("test_gpu_") and hasattr(fn, "hypothesis"))
     listed = _default_fuzz_suites()
+    assert suites, "test_fuzz_gpu.py has no hypothesis suite named test_gpu_*"
     assert len(listed) == len(set(listed)), listed
     assert sorted(listed) == suites
     for name in listed:  # -k matches substrings: no suite's name may contain another's

@@ -1,6 +1,7 @@
 """The public API type-checks: mypy --strict on a user's script (tests/python/typing/user_script.py)
 that plans, catches the errors by their fields, and uses the GPU names (never run, only checked)."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,12 @@ def test_mypy_sees_wrong_uses(tmp_path):
                        "inferctx.gemm(1, 2, alpha='x')\n")
     assert r.returncode == 1
     assert r.stdout.count("error:") == 3, r.stdout
+    # One error at each misuse: the int max_tokens and the int-or-None max_batch_size into a str
+    # (lines 2 and 5), and alpha='x' for gemm's float (line 6).
+    found = sorted((int(m.group(1)), m.group(2)) for m in
+                   re.finditer(r"user_script\.py:(\d+): error: .*\[([a-z-]+)\]$", r.stdout, re.M))
+    assert found == [(2, "assignment"), (5, "assignment"), (6, "arg-type")], r.stdout
+    assert re.search(r':6: error: Argument "alpha" .*"str".*"float"', r.stdout), r.stdout
     shutil.rmtree(tmp_path / ".mypy_cache", ignore_errors=True)
 
 
