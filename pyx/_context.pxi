@@ -478,19 +478,29 @@ cdef class InferenceContext:
         imported, else CuPy's current stream once CuPy is imported, else the context's own
         (``own_stream``). Kernels on operands of no package, ``sync_comp`` / ``sync_comm`` and
         DeviceView exports use it."""
-        cdef uintptr_t handle = _ctx_stream(self)
+        cdef uintptr_t handle
         cdef object source
-        if self._stream_obj is None or self._stream_obj._handle != handle:
-            source = self if self._adopted is None else self._adopted
-            if self._adopted is None and _torch_tensor is None and _cupy_ndarray is not None:
-                # CuPy destroys a stream with its object: the Stream returned keeps it alive,
-                # as a borrowed stream keeps its source.
-                current = _cupy_current_stream(self.device)
-                ptr = current.ptr  # 0: the legacy stream, whose handle _ctx_stream gives as 1
-                if (ptr if ptr != 0 else <uintptr_t>cudaStreamLegacy) == handle:
-                    source = current
-            self._stream_obj = _borrowed_stream(handle, self.device, source)
-        return self._stream_obj
+        cdef Stream made
+        # The handle and the object that keeps it alive are read under use_stream's lock: use_stream
+        # switches the C++ stream before it stores the object, and a Stream made in between would
+        # have the new handle but keep the old object alive (the new stream could then be
+        # destroyed under it by a later use_stream).
+        with self._stream_lock:
+            handle = _ctx_stream(self)
+            made = self._stream_obj
+            if (made is None or made._handle != handle
+                    or (self._adopted is not None and made._source is not self._adopted)):
+                source = self if self._adopted is None else self._adopted
+                if self._adopted is None and _torch_tensor is None and _cupy_ndarray is not None:
+                    # CuPy destroys a stream with its object: the Stream returned keeps it alive,
+                    # as a borrowed stream keeps its source.
+                    current = _cupy_current_stream(self.device)
+                    ptr = current.ptr  # 0: the legacy stream, whose handle _ctx_stream gives as 1
+                    if (ptr if ptr != 0 else <uintptr_t>cudaStreamLegacy) == handle:
+                        source = current
+                made = _borrowed_stream(handle, self.device, source)
+                self._stream_obj = made
+        return made
 
     @property
     def own_stream(self):

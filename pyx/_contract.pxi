@@ -53,41 +53,58 @@ cdef Py_ssize_t _modules_seen = -1      # len(sys.modules) when the packages wer
 
 cdef int _refresh_packages() except -1:
     """Learns torch's and CuPy's types once the caller has imported them (looked for again only
-    when a module was imported since the last look)."""
+    when a module was imported since the last look).
+
+    Another thread may be importing torch meanwhile: it is in sys.modules before its __init__
+    has bound all it exports. Such a torch is left for a later look (while its import runs the
+    count is not recorded, so the next call looks again: the import may end without adding a
+    module), and torch's caches are set together, only from a module that has all they take: a
+    call never finds some of them set and torch.Tensor's still None."""
     global _torch_tensor, _torch_raw_stream, _torch_empty_like, _torch_to_dt
     global _dt_to_torch, _cupy, _cupy_ndarray, _modules_seen
     cdef Py_ssize_t modules = len(_sys.modules)
     if modules == _modules_seen:
         return 0
+    cdef bint settled = True
     if _torch_tensor is None:
         torch = _sys.modules.get("torch")
-        if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "bfloat16"):
-            raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
-            if raw is not None:  # a CPU-only build of torch has no CUDA streams
-                pairs = [("float32", DT_FLOAT32), ("float16", DT_FLOAT16),
-                         ("bfloat16", DT_BFLOAT16), ("float64", DT_FLOAT64), ("int8", DT_INT8),
-                         ("int16", DT_INT16), ("int32", DT_INT32), ("int64", DT_INT64),
-                         ("uint8", DT_UINT8), ("uint16", DT_UINT16), ("uint32", DT_UINT32),
-                         ("uint64", DT_UINT64), ("bool", DT_BOOL)]
-                to_dt = {}
-                from_dt = {}
-                for name, dt in pairs:
-                    t = getattr(torch, name, None)
-                    if t is not None:
-                        to_dt[t] = dt
-                        from_dt[dt] = t
-                _torch_to_dt = to_dt
-                _dt_to_torch = from_dt
-                _torch_raw_stream = raw
-                _torch_empty_like = torch.empty_like
-                _torch_tensor = torch.Tensor
+        if torch is not None:
+            tensor = getattr(torch, "Tensor", None)
+            empty_like = getattr(torch, "empty_like", None)
+            if tensor is None or empty_like is None or not hasattr(torch, "bfloat16"):
+                # Not (yet) the torch inferctx uses: part way through its import (every torch
+                # has these), or another module of that name.
+                settled = not getattr(getattr(torch, "__spec__", None), "_initializing", False)
+            else:
+                raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+                if raw is not None:  # a CPU-only build of torch has no CUDA streams
+                    pairs = [("float32", DT_FLOAT32), ("float16", DT_FLOAT16),
+                             ("bfloat16", DT_BFLOAT16), ("float64", DT_FLOAT64), ("int8", DT_INT8),
+                             ("int16", DT_INT16), ("int32", DT_INT32), ("int64", DT_INT64),
+                             ("uint8", DT_UINT8), ("uint16", DT_UINT16), ("uint32", DT_UINT32),
+                             ("uint64", DT_UINT64), ("bool", DT_BOOL)]
+                    to_dt = {}
+                    from_dt = {}
+                    for name, dt in pairs:
+                        t = getattr(torch, name, None)
+                        if t is not None:
+                            to_dt[t] = dt
+                            from_dt[dt] = t
+                    # From here to the last assignment nothing runs Python code: no other thread
+                    # sees part of them.
+                    _torch_to_dt = to_dt
+                    _dt_to_torch = from_dt
+                    _torch_raw_stream = raw
+                    _torch_empty_like = empty_like
+                    _torch_tensor = tensor
     if _cupy_ndarray is None:
         cupy = _sys.modules.get("cupy")
         if cupy is not None and hasattr(cupy, "ndarray") and hasattr(cupy, "cuda"):
             _cupy = cupy
             _cupy_ndarray = cupy.ndarray
     # Last: a thread that finds the count unchanged must find the types learned above.
-    _modules_seen = modules
+    if settled:
+        _modules_seen = modules
     return 0
 
 
@@ -143,6 +160,8 @@ cdef uintptr_t _ctx_stream(InferenceContext ctx) except 0:
         _refresh_packages()
     cdef uintptr_t s
     cdef uintptr_t before = 0
+    # _served moves only once the join is queued: _order runs without the GIL, and a thread that
+    # saw the move as done meanwhile would queue its work before the join.
     if _torch_tensor is not None:
         s = _package_stream(PKG_TORCH, ctx.device)
         if ctx._served != SERVED_NONE:
@@ -150,17 +169,17 @@ cdef uintptr_t _ctx_stream(InferenceContext ctx) except 0:
                 before = <uintptr_t>ctx._c.own_stream()
             else:
                 before = _package_stream(PKG_CUPY, ctx.device)
-            ctx._served = SERVED_NONE
             ctx._order(before, s)
+            ctx._served = SERVED_NONE
         return s
     if _cupy_ndarray is not None:
         s = _package_stream(PKG_CUPY, ctx.device)
         if ctx._served != SERVED_CUPY:
             if ctx._served == SERVED_OWN:
                 before = <uintptr_t>ctx._c.own_stream()
-            ctx._served = SERVED_CUPY
             if before != 0:
                 ctx._order(before, s)
+            ctx._served = SERVED_CUPY
         return s
     ctx._served = SERVED_OWN
     return <uintptr_t>ctx._c.own_stream()

@@ -189,6 +189,7 @@ cdef extern from "inferctx/context.hpp" namespace "inferctx" nogil:
         int64_t host_copy_bytes()
         uint64_t contents_epoch()
         bool in_released_range(const void* p, int64_t bytes)
+        bool addresses_released()
 
         int64_t current_tokens()
         void advance_tokens(int64_t n) except +raise_inferctx_error

@@ -40,9 +40,16 @@ cdef int _require_mapped(uintptr_t ptr, int64_t nbytes, int device) except -1:
 
 
 cdef int _note_released(InferenceContext ctx) except -1:
-    """Brings _released_contexts up to date with `ctx` after a release, retake or plan."""
-    if ctx._c.addresses_stable() and _released_now(ctx):
-        _released_contexts[ctx.device] = ctx
+    """Brings _released_contexts up to date with `ctx` after a release, retake or plan.
+
+    The state is read lock-free and applied with the GIL held throughout: a read that waited for
+    the context's lock without the GIL could be applied after another thread's release or retake
+    had noted the newer state, and a released workspace would then be missing from the list (its
+    kernels no longer refused: an illegal memory access) or a held one left in it. Read this way,
+    the last note made after the last release or retake is the one that stands."""
+    cdef object device = ctx.device
+    if ctx._c.addresses_released():
+        _released_contexts[device] = ctx
     else:
-        _released_contexts.pop(ctx.device, None)
+        _released_contexts.pop(device, None)
     return 0

@@ -16,17 +16,24 @@ using detail::allocate_or_null;
 using detail::describe_plan;
 
 void InferenceContext::set_released_range(bool released) noexcept {
-  const bool mark = released && virtual_ != nullptr;
-  const auto begin = mark ? reinterpret_cast<uintptr_t>(virtual_->data()) : uintptr_t{0};
-  const auto end = mark ? begin + static_cast<uintptr_t>(virtual_->capacity()) : uintptr_t{0};
-  // A reader may see a stale pair for a moment; it only decides whether to refuse a launch.
-  released_begin_.store(begin, std::memory_order_release);
-  released_end_.store(end, std::memory_order_release);
+  if (released && virtual_ != nullptr) {
+    // The same bounds at every release: a reader that sees the flag raised (acquire) sees them.
+    const auto begin = reinterpret_cast<uintptr_t>(virtual_->data());
+    released_begin_.store(begin, std::memory_order_relaxed);
+    released_end_.store(begin + static_cast<uintptr_t>(virtual_->capacity()), std::memory_order_relaxed);
+    addresses_released_.store(true, std::memory_order_release);
+  } else {
+    addresses_released_.store(false, std::memory_order_release);
+  }
 }
 
 bool InferenceContext::in_released_range(const void* p, int64_t bytes) const noexcept {
-  const uintptr_t begin = released_begin_.load(std::memory_order_acquire);
-  const uintptr_t end = released_end_.load(std::memory_order_acquire);
+  // A reader may see the state of a moment ago; it only decides whether to refuse a launch. The
+  // bounds are read after the flag: never a begin of 0 with the range's end (which would refuse
+  // every address below the workspace).
+  if (!addresses_released_.load(std::memory_order_acquire)) return false;
+  const uintptr_t begin = released_begin_.load(std::memory_order_relaxed);
+  const uintptr_t end = released_end_.load(std::memory_order_relaxed);
   if (begin == end) return false;
   const auto x = reinterpret_cast<uintptr_t>(p);
   const auto n = static_cast<uintptr_t>(bytes > 0 ? bytes : 1);

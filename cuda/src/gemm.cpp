@@ -107,12 +107,11 @@ void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
   const Key key = make_key(device, p, align_a, align_b, align_c);
   std::shared_ptr<const AlgoChoice> choice = find_choice(key);
   if (!choice) {
-    std::shared_ptr<const AlgoChoice> fresh = heuristic_choice(handle, p, align_a, align_b, align_c);
-    store_choice(key, fresh);
-    choice = std::move(fresh);
-  } else if (!choice->verified) {
-    choice = verify_imported(handle, key, p, *choice);
+    // Stored only where the key still has no entry: an import (or a tuning) of it that another
+    // thread made meanwhile stays in force.
+    choice = store_choice_if(key, nullptr, heuristic_choice(handle, p, align_a, align_b, align_c));
   }
+  while (!choice->verified) choice = verify_imported(handle, key, p, *choice);
 
   // A tuned choice that needs more workspace than the stream has bound (none while it is first
   // captured) gives way to cublasGemmEx for this call.
@@ -132,7 +131,7 @@ void gemm(CublasHandle& handle, cudaStream_t stream, const GemmProblem& problem,
     auto fallback = new_choice(p, device);
     fallback->backend = GemmBackend::Cublas;
     fallback->source = choice->source;
-    store_choice(key, std::move(fallback));
+    store_choice_if(key, choice.get(), std::move(fallback));
   }
   check_cublas(run_cublas(handle, p, a, b, c, &alpha, &beta), cublas_call_name(p), device);
 }

@@ -164,10 +164,11 @@ std::shared_ptr<const AlgoChoice> find_choice(const Key& key) {
   return it == cache.choices.end() ? nullptr : it->second;
 }
 
-void store_choice(const Key& key, std::shared_ptr<const AlgoChoice> choice) {
-  AlgoCache& cache = algo_cache();
+namespace {
+
+// store_choice with cache.mutex held.
+void store_locked(AlgoCache& cache, const Key& key, std::shared_ptr<const AlgoChoice> choice) {
   const bool heuristic = choice->source == Source::Heuristic;
-  std::lock_guard<std::mutex> lock(cache.mutex);
   auto it = cache.choices.find(key);
   if (it != cache.choices.end()) {
     if (it->second->source == Source::Heuristic) --cache.heuristic_entries;
@@ -185,6 +186,25 @@ void store_choice(const Key& key, std::shared_ptr<const AlgoChoice> choice) {
     cache.choices.emplace(key, std::move(choice));
   }
   if (heuristic) ++cache.heuristic_entries;
+}
+
+}  // namespace
+
+void store_choice(const Key& key, std::shared_ptr<const AlgoChoice> choice) {
+  AlgoCache& cache = algo_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  store_locked(cache, key, std::move(choice));
+}
+
+std::shared_ptr<const AlgoChoice> store_choice_if(const Key& key, const AlgoChoice* expected,
+                                                  std::shared_ptr<const AlgoChoice> choice) {
+  AlgoCache& cache = algo_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  auto it = cache.choices.find(key);
+  const AlgoChoice* current = it == cache.choices.end() ? nullptr : it->second.get();
+  if (current != expected) return current != nullptr ? it->second : choice;
+  store_locked(cache, key, choice);
+  return choice;
 }
 
 std::shared_ptr<const AlgoChoice> verify_imported(const CublasHandle& handle, const Key& key, const GemmProblem& p,
@@ -217,9 +237,8 @@ std::shared_ptr<const AlgoChoice> verify_imported(const CublasHandle& handle, co
     choice = heuristic_choice(handle, p, static_cast<int>(key.v[Key::AlignA]), static_cast<int>(key.v[Key::AlignB]),
                               static_cast<int>(key.v[Key::AlignC]));
   }
-  std::shared_ptr<const AlgoChoice> published = choice;
-  store_choice(key, published);
-  return published;
+  // Not over an entry another thread stored meanwhile (a tuning, a newer import).
+  return store_choice_if(key, &imported, std::move(choice));
 }
 
 std::vector<uint64_t> algo_words(const cublasLtMatmulAlgo_t& algo) {

@@ -146,11 +146,19 @@ std::shared_ptr<AlgoChoice> heuristic_choice(const CublasHandle& handle, const G
                                              int align_b, int align_c);
 
 std::shared_ptr<const AlgoChoice> find_choice(const Key& key);
+// Stores `choice` for `key`, replacing any entry (tune_gemm, import_gemm_cache).
 void store_choice(const Key& key, std::shared_ptr<const AlgoChoice> choice);
+// Stores `choice` for `key` only while the entry there is still `expected` (null: no entry), so
+// that a choice worked out from what find_choice gave never replaces one that another thread
+// stored meanwhile (a tuned or imported entry); returns the entry in force then, or `choice`
+// itself where the key has none (cleared meanwhile: it serves this call without being stored).
+std::shared_ptr<const AlgoChoice> store_choice_if(const Key& key, const AlgoChoice* expected,
+                                                  std::shared_ptr<const AlgoChoice> choice);
 
 // An imported cuBLASLt algorithm is checked against this library and device once, an imported
 // Gemv choice against gemv_runs with the handle's workspace; if the check fails, the
-// heuristic's choice takes its place.
+// heuristic's choice takes its place. Returns the entry in force afterwards, which is another
+// thread's where it replaced `imported` meanwhile (that one may need its own check).
 std::shared_ptr<const AlgoChoice> verify_imported(const CublasHandle& handle, const Key& key, const GemmProblem& p,
                                                   const AlgoChoice& imported);
 

@@ -156,6 +156,10 @@ GraphRng::GraphRng(int device, PhiloxState& philox) : device_(device), philox_(p
 }
 
 GraphRng::~GraphRng() {
+  if (header_written_ != nullptr) {
+    CurrentDeviceScope on(device_, std::nothrow);
+    if (cudaEventDestroy(header_written_) != cudaSuccess) cudaGetLastError();
+  }
   bool free_now = false;
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
@@ -296,8 +300,16 @@ void GraphRng::set_seed(uint64_t seed, cudaStream_t stream) {
       throw ConfigError("stream", "set_seed: the context's stream is capturing a CUDA graph, which would bake the "
                                   "reset into every replay; call set_seed before or after the capture");
     }
+    // Two set_seed calls on different streams would otherwise write in either order on the GPU:
+    // the header could keep the earlier seed while the host state has the later one.
+    if (header_written_ == nullptr) {
+      INFERCTX_CUDA_AT(event, cudaEventCreateWithFlags(&header_written_, cudaEventDisableTiming), device_);
+    } else {
+      INFERCTX_CUDA(cudaStreamWaitEvent(stream, header_written_, 0), device_);
+    }
     write_header_kernel<<<1, 1, 0, stream>>>(header, seed, philox_.snapshot().epoch + 1);
     INFERCTX_CUDA(cudaGetLastError(), device_);
+    INFERCTX_CUDA(cudaEventRecord(header_written_, stream), device_);
   }
   philox_.set_seed(seed);
 }

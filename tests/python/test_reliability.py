@@ -1023,3 +1023,183 @@ def test_sticky_error_message_says_restart(mode):
         r = child.results.get(name)
         assert r is not None and r["cuda"], f"{name}:\n{text}"
         assert "restart" in r["message"].lower(), f"{name}: {r['message']}"
+
+
+# -- 5. Races on the context's shared state ----------------------------------------------------------
+
+RACE_ROUNDS = 150
+STREAM_SWITCHES = 300
+
+
+def run_together(fns, timeout=JOIN_TIMEOUT_S):
+    """Runs each of `fns` in a thread of its own, all released at once by a barrier; returns the
+    tracebacks of those that raised. A thread still alive after `timeout` fails the test."""
+    go = threading.Barrier(len(fns), timeout=BARRIER_TIMEOUT_S)
+    errors = []
+
+    def run(fn):
+        try:
+            go.wait()
+            fn()
+        except BaseException:  # noqa: BLE001 - reported by the caller
+            go.abort()
+            errors.append(traceback.format_exc())
+
+    pool = [threading.Thread(target=run, args=(fn,), daemon=True) for fn in fns]
+    for t in pool:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in pool:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in pool):
+        faulthandler.dump_traceback(all_threads=True)
+        pytest.fail(f"deadlock: threads still running after {timeout} s")
+    return errors
+
+
+@pytest.mark.gpu
+def test_racing_release_and_retake_leave_the_refusal_in_step_with_the_workspace(torch, ctx):
+    """A release in one thread and a retake in another, started together while a third thread
+    keeps the GIL busy: afterwards the compiled fast paths refuse (gemm's returns NotImplemented
+    while a workspace is released) exactly when the workspace is released. A thread that read the
+    released state, lost the GIL, and applied it after the other thread's release had noted the
+    newer state, took the released workspace out of the list that refuses its kernels (the next
+    one on it would have been an illegal memory access), or left a held one in it."""
+    if not ctx.addresses_stable:
+        pytest.skip("under the cudaMalloc fallback a released workspace has no addresses to refuse")
+    dev = f"cuda:{ctx.device}"
+    a = torch.ones(16, 32, device=dev, dtype=torch.float16)
+    b = torch.ones(32, 8, device=dev, dtype=torch.float16)
+    inferctx.gemm(a, b)  # the general path works out the layout the fast path then finds
+
+    def fast_path_refuses():
+        # Only torch's own tensors: nothing here touches the workspace, released or not.
+        got = _core._torch_gemm(2, a, b, None, False, False, 1.0, 0.0, None, False)
+        return got is NotImplemented
+
+    assert not ctx.released and not fast_path_refuses()
+    stop = threading.Event()
+
+    def hog():  # bytecode only: it gives the GIL up only when another thread asks for it
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    hogger = threading.Thread(target=hog, daemon=True)
+    hogger.start()
+    wrong = []
+    try:
+        for r in range(RACE_ROUNDS):
+            errors = run_together([lambda: ctx.release_workspace(), lambda: ctx.retake_workspace()])
+            assert not errors, "\n".join(errors)
+            released = ctx.released
+            if fast_path_refuses() != released:
+                wrong.append((r, "released" if released else "held"))
+            if released:
+                ctx.retake_workspace()
+            if fast_path_refuses():
+                wrong.append((r, "held after a retake"))
+    finally:
+        stop.set()
+        hogger.join(timeout=JOIN_TIMEOUT_S)
+        if ctx.released:
+            ctx.retake_workspace()
+    torch.cuda.synchronize()
+    assert not wrong, (f"rounds where the fast path's refusal disagreed with the workspace's state "
+                       f"(round, state): {wrong[:10]}")
+
+
+@pytest.mark.gpu
+def test_ctx_stream_keeps_alive_the_adopted_stream_it_names(ctx):
+    """ctx.stream read in one thread while another adopts stream after stream (each kept only by
+    the context): every Stream it returns for an adopted stream keeps that very stream alive. One
+    made between use_stream's switch of the C++ stream and its storing the new object had the new
+    handle but kept the previous object alive, and the stream it named was destroyed at the next
+    switch while the Stream was still held."""
+
+    class Adopted(inferctx.Stream):
+        pass
+
+    adopted_handles = set()
+    done = threading.Event()
+    wrong = []
+    checked = [0]
+
+    def switcher():
+        try:
+            for _ in range(STREAM_SWITCHES):
+                s = Adopted(device=ctx.device)
+                adopted_handles.add(s.handle)
+                ctx.use_stream(s)
+                del s  # the context alone keeps it now
+            ctx.use_stream(None)
+        finally:
+            done.set()
+
+    def reader():
+        while not done.is_set():
+            s = ctx.stream
+            if s.handle not in adopted_handles:
+                continue  # the own stream, or torch's current one (before and after)
+            checked[0] += 1
+            # What the returned Stream keeps alive (its source object).
+            kept = [o for o in gc.get_referents(s) if isinstance(o, Adopted)]
+            if not any(o.handle == s.handle for o in kept):
+                wrong.append(f"{s!r} keeps {[hex(o.handle) for o in kept]} alive")
+
+    errors = run_together([switcher, reader])
+    assert not errors, "\n".join(errors)
+    ctx.use_stream(None)
+    assert checked[0] > 0, "the reader never saw an adopted stream"
+    assert not wrong, f"{len(wrong)} of {checked[0]} Streams keep another stream alive: {wrong[:5]}"
+
+
+PARTIAL_TORCH_SCRIPT = CHILD_PRELUDE + textwrap.dedent("""
+    import importlib.machinery, sys, types
+    from inferctx import _core
+
+    # torch as another thread's `import torch` leaves it part way: in sys.modules, with Tensor,
+    # its dtypes and _C, but not yet the functions bound further down its __init__ (empty_like).
+    torch = types.ModuleType("torch")
+    torch.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+    torch.__spec__._initializing = True  # as the import system marks a module being imported
+    asked = []
+
+    class Tensor:
+        def get_device(self):
+            asked.append(1)  # the fast path took it for a torch tensor
+            return -1  # a CPU tensor: the fast path leaves it to the general one
+
+    torch.Tensor = Tensor
+    torch.bfloat16 = object()
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda device: 0)
+    sys.modules["torch"] = torch
+    a, b = Tensor(), Tensor()
+
+    def fast_gemm():
+        before = len(asked)
+        got = _core._torch_gemm(2, a, b, None, False, False, 1.0, 0.0, None, False)
+        return (got, len(asked) > before)
+
+    report("while importing", fast_gemm)
+    # The rest of its __init__ runs (no module is imported after this point) and the import ends.
+    torch.empty_like = lambda x: x
+    torch.__spec__._initializing = False
+    report("once imported", fast_gemm)
+""")
+
+
+def test_a_torch_being_imported_in_another_thread_is_learned_once_complete():
+    """A kernel call while another thread is still importing torch (torch in sys.modules without
+    all of its functions yet) neither raises nor leaves the package caches half set, and once the
+    import is done the next call learns torch, although no module was imported since. (A first
+    look that met torch part way set the dtype table, then raised AttributeError for
+    torch.empty_like, and every later gemm raised TypeError on the type cache left None.)"""
+    child = run_child(PARTIAL_TORCH_SCRIPT, timeout=120)
+    text = describe(child)
+    assert child.rc == 0 and not child.timed_out, text
+    for name, learned in (("while importing", False), ("once imported", True)):
+        r = child.results.get(name)
+        assert r is not None, f"{name} was not called:\n{text}"
+        assert r["raised"] is None, f"{name}: raised {r['raised']}: {r['message']}\n{text}"
+        assert r["message"] == repr((NotImplemented, learned)), f"{name}: {r['message']}\n{text}"

@@ -82,6 +82,10 @@ class InferenceContext {
   // True when [p, p + bytes) overlaps a released workspace's addresses: work there would touch
   // unmapped memory. Lock-free, for the checks on every kernel operand.
   bool in_released_range(const void* p, int64_t bytes) const noexcept;
+  // True while the workspace is released under stable addresses (what in_released_range
+  // refuses). Lock-free: a caller that must act on the state without waiting for a release or
+  // retake in progress (the Python layer's list of released contexts) reads it here.
+  bool addresses_released() const noexcept { return addresses_released_.load(std::memory_order_acquire); }
 
   // Gives the workspace's device memory back, keeping the plan. First waits for all work queued
   // on the device (cudaDeviceSynchronize, as cudaFree does): any stream, the caller's or a graph,
@@ -166,8 +170,12 @@ class InferenceContext {
   std::unique_ptr<PinnedAllocation> host_copy_;
   bool contents_kept_ = false;  // host_copy_ holds the released workspace's bytes
   uint64_t contents_epoch_ = 0;  // see contents_epoch()
-  // The reserved range while the workspace is released under stable addresses, else [0, 0).
+  // The workspace's reserved range under stable addresses, stored before addresses_released_ is
+  // first raised and never changed after (virtual_ is made once); addresses_released_ says whether
+  // it is released now. One flag, so that a reader never pairs one bound of the range with a
+  // state the other bound does not belong to.
   std::atomic<uintptr_t> released_begin_{0}, released_end_{0};
+  std::atomic<bool> addresses_released_{false};
   std::atomic<int64_t> tokens_{0};
   // The plan's max_tokens, readable without the mutex by the token counter.
   std::atomic<int64_t> token_limit_{0};

@@ -20,7 +20,8 @@
 //   concurrently.)
 // - set_seed: the host state restarts (philox.hpp) and the header gets the new seed and a new
 //   epoch, written by a one-thread kernel on the stream passed (the context's compute stream), so
-//   it is ordered after the replays queued there before and before those queued after. A slot
+//   it is ordered after the replays queued there before and before those queued after, and after
+//   the header write of the previous set_seed whatever stream that one was given. A slot
 //   whose epoch is not the header's counts as 0 replays: every graph starts again from replay 0
 //   with the new seed, with no host call per graph. Once a site was ever captured, set_seed
 //   refuses to run while that stream is capturing (the write would be baked into the graph);
@@ -142,6 +143,9 @@ class GraphRng {
   PhiloxState& philox_;
   mutable std::mutex mutex_;  // orders capture and set_seed (site numbers and the header)
   Shared* shared_;
+  // Recorded after each header write of set_seed (made at the first): the next write, on whatever
+  // stream it is given, waits for it, so the header ends as the last set_seed on the host left it.
+  cudaEvent_t header_written_ = nullptr;
 };
 
 }  // namespace inferctx
