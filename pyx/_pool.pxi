@@ -16,10 +16,11 @@ cdef class MemoryPool:
     Freed blocks stay reserved for the next allocation (after warm-up no call reaches
     ``cudaMalloc`` or ``cudaFree``); a block is handed out again only after every stream seen
     using it (kernels, DLPack exports with the consumer's stream) has finished with it: by an
-    event on the default streams and the contexts' own and comm streams, by a device-wide
-    synchronisation when a use was on another stream (which may no longer exist) or on a stream
-    not known (``__cuda_array_interface__`` exports, ``__dlpack__(stream=-1)``). ``trim()`` gives
-    the unused memory back to the device.
+    event on the default streams, the contexts' own and comm streams and each
+    ``inferctx.Stream()`` while it exists, by a device-wide synchronisation when a use was on
+    another stream (a torch or CuPy side stream, which may no longer exist) or on a stream not
+    known (``__cuda_array_interface__`` exports, ``__dlpack__(stream=-1)``). ``trim()`` gives the
+    unused memory back to the device.
     """
 
     cdef shared_ptr[DevicePool] _pool

@@ -194,19 +194,26 @@ void DevicePool::free_deferred(uint64_t before) noexcept {
   }
 }
 
-void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use,
-                         bool other_threads_per_thread_stream) noexcept {
+void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, const std::vector<uint64_t>& serials,
+                         bool unknown_use, bool other_threads_per_thread_stream) noexcept {
+  if (ptr == nullptr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --live_;  // the others count until their free is queued
+    return;
+  }
+  // The streams Stream::create made that are found alive stay so until the free is queued.
+  OwnedStreamsHold owned;
   bool ordered = !unknown_use;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (ptr == nullptr) --live_;  // the others count until their free is queued
-    for (cudaStream_t user : users) {
-      ordered = ordered && (user == cudaStreamPerThread ? !other_threads_per_thread_stream : durable(user));
+    for (size_t i = 0; i < users.size(); ++i) {
+      const cudaStream_t user = users[i];
+      ordered = ordered && (user == cudaStreamPerThread ? !other_threads_per_thread_stream
+                                                        : durable(user) || owned.alive(user, serials[i]));
     }
   }
-  if (ptr == nullptr) return;
   CurrentDeviceScope on(device_, std::nothrow);
-  if (durable_user_captures(users)) {
+  if (durable_user_captures(users, serials, owned)) {
     // No free or event may be queued on a stream while it captures a CUDA graph (a free there
     // must name a block the graph allocated, and an event recorded there would pull the pool's
     // stream into the capture), and a block that also needs a device synchronisation (a use not
@@ -218,8 +225,8 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
     return;
   }
   if (ordered && users.size() == 1) {
-    // Used on one durable stream only (the common case): freed in its order, where the next
-    // allocation on it takes the block straight back.
+    // Used on one stream only (the common case): freed in its order, where the next allocation
+    // on it takes the block straight back.
     if (cudaFreeAsync(ptr, users.front()) == cudaSuccess) {
       freed();
       return;
@@ -236,8 +243,8 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
         ordered = false;
         break;
       }
-      // The event is recorded now, after all the work queued on `user` (a durable stream, so
-      // it exists), which includes every use of this block there.
+      // The event is recorded now, after all the work queued on `user` (a durable stream, or a
+      // live one `owned` keeps so), which includes every use of this block there.
       const bool ok = cudaEventRecord(event, user) == cudaSuccess &&
                       cudaStreamWaitEvent(free_stream_, event, 0) == cudaSuccess;
       give_event(event);  // reusable at once: a wait takes the state recorded at the time of the call
@@ -248,6 +255,7 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
       }
     }
   }
+  owned.unlock();  // nothing more is queued on the users' streams
   if (!ordered) {
     // A use on a stream that may be gone by now, or not known: wait for everything queued.
     const uint64_t before = deferral_mark();
@@ -272,14 +280,16 @@ void DevicePool::release(void* ptr, const std::vector<cudaStream_t>& users, bool
   freed();
 }
 
-bool DevicePool::durable_user_captures(const std::vector<cudaStream_t>& users) const noexcept {
-  for (cudaStream_t user : users) {
+bool DevicePool::durable_user_captures(const std::vector<cudaStream_t>& users, const std::vector<uint64_t>& serials,
+                                       const OwnedStreamsHold& owned) const noexcept {
+  for (size_t i = 0; i < users.size(); ++i) {
+    const cudaStream_t user = users[i];
     if (user == free_stream_) continue;
     {
       // Only a stream known to exist may be asked (another may be destroyed by now); the
       // per-thread handle names the calling thread's own stream, which does.
       std::lock_guard<std::mutex> lock(mutex_);
-      if (user != cudaStreamPerThread && !durable(user)) continue;
+      if (user != cudaStreamPerThread && !durable(user) && !owned.alive(user, serials[i])) continue;
     }
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     const cudaError_t status = cudaStreamIsCapturing(user, &capture);
@@ -299,28 +309,38 @@ PooledAllocation::PooledAllocation(std::shared_ptr<DevicePool> pool, int device,
                                    cudaStream_t first)
     : DeviceAllocation(Borrowed{}, device, ptr, bytes), pool_(std::move(pool)) {
   users_.push_back(first);
+  user_serials_.push_back(owned_stream_serial(first));
   if (first == cudaStreamPerThread) per_thread_users_.push_back(this_thread_serial());
 }
 
 PooledAllocation::~PooledAllocation() {
   std::vector<cudaStream_t> users;
+  std::vector<uint64_t> serials;
   bool unknown = false;
   bool other_threads = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     users.swap(users_);
+    serials.swap(user_serials_);
     unknown = unknown_use_;
     const uint64_t me = this_thread_serial();
     for (uint64_t id : per_thread_users_) other_threads = other_threads || id != me;
   }
-  pool_->release(ptr_, users, unknown, other_threads);
+  pool_->release(ptr_, users, serials, unknown, other_threads);
   ptr_ = nullptr;
 }
 
 void PooledAllocation::note_use(cudaStream_t stream) {
   require_explicit_stream(stream, "PooledAllocation::note_use");
+  // A stream first seen now is numbered now: a later stream at its address is another one. (One
+  // seen before keeps its number, so a stream at the address of a destroyed one that the block
+  // saw is taken for neither, and the free synchronises the device.)
+  const uint64_t serial = owned_stream_serial(stream);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (std::find(users_.begin(), users_.end(), stream) == users_.end()) users_.push_back(stream);
+  if (std::find(users_.begin(), users_.end(), stream) == users_.end()) {
+    users_.push_back(stream);
+    user_serials_.push_back(serial);
+  }
   if (stream == cudaStreamPerThread) {
     // The handle means this thread's stream: which thread it was decides the free's ordering.
     const uint64_t id = this_thread_serial();

@@ -3,7 +3,9 @@
 #include <atomic>
 #include <deque>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
@@ -48,12 +50,56 @@ void note_created(cudaStream_t handle) noexcept {
   destroyed_set().erase(handle);
 }
 
+// The live streams Stream::create made, by handle, with their numbers (owned_stream_serial).
+std::shared_mutex& owned_mutex() {
+  static auto* m = new std::shared_mutex();
+  return *m;
+}
+std::unordered_map<cudaStream_t, uint64_t>& owned_streams() {
+  static auto* m = new std::unordered_map<cudaStream_t, uint64_t>();
+  return *m;
+}
+uint64_t next_owned_serial = 1;  // under owned_mutex
+
+void note_owned(cudaStream_t handle) noexcept {
+  try {
+    std::unique_lock<std::shared_mutex> lock(owned_mutex());
+    owned_streams()[handle] = next_owned_serial++;
+  } catch (...) {
+    // Out of memory: the stream goes unrecorded, and a block used on it is freed after a device
+    // synchronisation, as for a stream of another library.
+  }
+}
+
+void forget_owned(cudaStream_t handle) noexcept {
+  std::unique_lock<std::shared_mutex> lock(owned_mutex());  // waits for the holders
+  owned_streams().erase(handle);
+}
+
 }  // namespace
 
 uint64_t this_thread_serial() noexcept {
   static std::atomic<uint64_t> next{1};
   thread_local const uint64_t serial = next.fetch_add(1, std::memory_order_relaxed);
   return serial;
+}
+
+uint64_t owned_stream_serial(cudaStream_t stream) noexcept {
+  std::shared_lock<std::shared_mutex> lock(owned_mutex());
+  const auto it = owned_streams().find(stream);
+  return it == owned_streams().end() ? 0 : it->second;
+}
+
+OwnedStreamsHold::OwnedStreamsHold() : lock_(owned_mutex()) {}
+
+bool OwnedStreamsHold::alive(cudaStream_t stream, uint64_t serial) const noexcept {
+  if (serial == 0 || !lock_.owns_lock()) return false;
+  const auto it = owned_streams().find(stream);
+  return it != owned_streams().end() && it->second == serial;
+}
+
+void OwnedStreamsHold::unlock() noexcept {
+  if (lock_.owns_lock()) lock_.unlock();
 }
 
 bool stream_was_destroyed(cudaStream_t stream) noexcept {
@@ -93,6 +139,7 @@ Stream Stream::create(int device) {
   Stream s;
   INFERCTX_CUDA_AT(stream, cudaStreamCreateWithFlags(&s.handle_, cudaStreamNonBlocking), device);
   note_created(s.handle_);
+  note_owned(s.handle_);
   s.device_ = device;
   s.owned_ = true;
   return s;
@@ -112,7 +159,9 @@ Stream::~Stream() {
   if (owned_ && handle_ != nullptr) {
     CurrentDeviceScope on(device_, std::nothrow);
     // Noted first: once destroyed, the address may be given to a stream created meanwhile on
-    // another thread, which note_created must be able to take out of the set.
+    // another thread, which note_created must be able to take out of the set; and no pool may be
+    // queueing on it (forget_owned waits for the OwnedStreamsHold holders).
+    forget_owned(handle_);
     note_destroyed(handle_);
     // Work still queued completes; the destroy returns at once and frees the stream after it.
     if (cudaStreamDestroy(handle_) != cudaSuccess) cudaGetLastError();

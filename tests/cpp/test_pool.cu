@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cstdio>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "inferctx/errors.hpp"
 #include "inferctx/gemm.hpp"
 #include "inferctx/pool.hpp"
+#include "inferctx/stream.hpp"
 
 using namespace inferctx;
 
@@ -237,6 +239,67 @@ TEST_CASE("gpu: a use on an unknown stream, or on a stream that is not durable (
   auto next = pool->allocate(1 << 20, cudaStreamLegacy);
   CHECK(next->data() != nullptr);
   cudaFree(total);
+  cudaStreamDestroy(other);
+}
+
+TEST_CASE("gpu: a use on a stream Stream::create made is waited for by an event while it exists, by a device synchronisation once destroyed") {
+  auto pool = DevicePool::of(kDevice);
+  const int n = 1 << 18;  // 1 MiB
+  unsigned long long* total = nullptr;
+  check_cuda(cudaMalloc(&total, sizeof *total), "cudaMalloc", kDevice);
+  cudaStream_t busy = new_stream(), other = new_stream();
+  {
+    // Alive: the block is freed in the stream's order (one user), and the free waits for nothing
+    // else: unrelated work on `busy` is still running when the block has been let go.
+    Stream s = Stream::create(kDevice);
+    CHECK(owned_stream_serial(s.handle()) != 0);
+    check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+    pool->trim(0);
+    auto block = block_of_ones(*pool, n, s.handle());
+    read_late(*block, n, s.handle(), total);  // s reads the block 50 ms from now
+    spin<<<1, 1, 0, busy>>>(cycles_per_ms() * 500);
+    block.reset();
+    CHECK_EQ(static_cast<int>(cudaStreamQuery(busy)), static_cast<int>(cudaErrorNotReady));
+    CHECK_EQ(reader_total_after_reuse(*pool, n, other, total), static_cast<unsigned long long>(n));
+    // Two users, both waited for by events: again no device synchronisation.
+    check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+    pool->trim(0);
+    block = block_of_ones(*pool, n, cudaStreamLegacy);
+    block->note_use(s.handle());
+    read_late(*block, n, s.handle(), total);
+    spin<<<1, 1, 0, busy>>>(cycles_per_ms() * 500);
+    block.reset();
+    CHECK_EQ(static_cast<int>(cudaStreamQuery(busy)), static_cast<int>(cudaErrorNotReady));
+    CHECK_EQ(reader_total_after_reuse(*pool, n, other, total), static_cast<unsigned long long>(n));
+  }
+  {
+    // Destroyed before the block is let go, with its reader still queued: a device
+    // synchronisation waits for that reader, even where a stream made since has the destroyed
+    // one's address (its number differs: an event on it would wait for nothing of the reader's).
+    check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+    pool->trim(0);
+    auto block = block_of_ones(*pool, n, cudaStreamLegacy);
+    Stream s = Stream::create(kDevice);
+    const cudaStream_t gone = s.handle();
+    const uint64_t serial = owned_stream_serial(gone);
+    block->note_use(gone);
+    read_late(*block, n, gone, total);
+    s = Stream();  // destroyed; its queued work still runs
+    CHECK_EQ(owned_stream_serial(gone), uint64_t{0});
+    std::vector<Stream> made;
+    for (int i = 0; i < 64 && (made.empty() || made.back().handle() != gone); ++i) {
+      made.push_back(Stream::create(kDevice));
+    }
+    if (made.back().handle() == gone) {
+      std::printf("  (a stream made since has the destroyed one's address)\n");
+      CHECK(owned_stream_serial(gone) != serial);
+    }
+    block.reset();
+    CHECK_EQ(reader_total_after_reuse(*pool, n, cudaStreamLegacy, total), static_cast<unsigned long long>(n));
+  }
+  CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
+  cudaFree(total);
+  cudaStreamDestroy(busy);
   cudaStreamDestroy(other);
 }
 

@@ -101,9 +101,9 @@ class Case:
         self.torch = torch
         self.name = name
         self.make = make or (lambda t: t)
-        # DeviceView results (and dropout's masks) kept until the trials end: a pool block used
-        # on a stream the pool does not order by events (an adopted stream) is freed after a
-        # device-wide synchronisation, which would drain the caller's stream in mid-trial.
+        # DeviceView results (and dropout's masks) kept until the trials end: a pool block that
+        # must be freed after a device-wide synchronisation (used on a stream the pool cannot
+        # order by an event) would drain the caller's stream in mid-trial.
         self.held = []
         t = torch
         alloc = alloc or (lambda shape, dtype: t.empty(shape, device="cuda", dtype=dtype))
@@ -851,6 +851,36 @@ def test_plain_calls_on_deviceviews_keep_the_pool_bounded_and_trim_returns_it(to
     assert pool.reserved_bytes - used_before < 2 << 20, pool.stats()
     free_after = torch.cuda.mem_get_info(0)[0]
     assert abs(free_after - free_before) <= 2 << 20, (free_before, free_after)
+
+
+def test_a_result_made_on_an_inferctx_stream_is_let_go_without_waiting_for_the_device(torch, ctx):
+    # A DeviceView result made on an inferctx.Stream, which the pool orders by an event while the
+    # stream exists, is freed in that stream's order when dropped: work elsewhere on the device
+    # (a sleep on a stream the call never saw) is not waited for.
+    pool = ctx.memory_pool
+    s = inferctx.Stream()
+    x = inferctx._core._empty(0, (1 << 18,), "float32")
+    torch.from_dlpack(x).fill_(1.0)
+    y, _ = inferctx.dropout(x, 0.0, mask=None, stream=s)
+    torch.cuda.synchronize()
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(500_000_000)  # about 250 ms
+    before = pool.allocations
+    del y
+    gc.collect()
+    assert pool.allocations == before - 1  # the block was let go (its free queued)
+    assert not busy.query(), "letting the result go waited for the whole device"
+    torch.cuda.synchronize()
+    # And once the stream is gone, a result that used it is freed after the device is done.
+    y, _ = inferctx.dropout(x, 0.0, mask=None, stream=s)
+    del s
+    gc.collect()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(100_000_000)
+    del y
+    gc.collect()
+    assert busy.query(), "a result used on a destroyed stream was freed without a device synchronisation"
 
 
 def test_pool_block_is_not_reused_while_a_consumer_stream_reads_it(torch, ctx):

@@ -9,12 +9,16 @@
 // with the consumer's stream); a use whose stream is not known (a __cuda_array_interface__
 // export, a DLPack export with stream -1) is noted as such. When the last owner lets go, the
 // block is freed on the pool's own stream after that stream has waited (by events recorded
-// then) for every noted stream (or, used on one durable stream only, in that stream's order). An event can be recorded at that time only on a stream that
-// still exists, so this is done for the durable streams alone (the legacy default stream, the
-// pool's own, and those note_durable names: the contexts' own and comm streams); a use on any
-// other stream (the per-thread default stream of another thread than the freeing one included:
-// that handle names the calling thread's), or an unknown use, is waited for by a device-wide
-// synchronisation before the free. That synchronisation is refused while any thread captures
+// then) for every noted stream (or, used on one such stream only, in that stream's order). An
+// event can be recorded at that time only on a stream that still exists, so this is done for the
+// durable streams (the legacy default stream, the pool's own, and those note_durable names: the
+// contexts' own and comm streams) and for the streams Stream::create made (an inferctx.Stream())
+// while they exist: each use notes the stream's number (owned_stream_serial), so a later stream
+// given a destroyed one's address is not taken for it, and the free holds them alive
+// (OwnedStreamsHold) while it queues. A use on any other stream (a stream of another library; the
+// per-thread default stream of another thread than the freeing one: that handle names the
+// calling thread's), or an unknown use, is waited for by a device-wide synchronisation before
+// the free. That synchronisation is refused while any thread captures
 // into a CUDA graph on the device, and the attempt invalidates that capture, in every capture
 // mode: a block used on such a stream is not to be let go while a capture is in progress. Where
 // it is refused, the block stays allocated (and counted) until a later one succeeds (the next
@@ -33,6 +37,7 @@
 #include <vector>
 
 #include "inferctx/memory.hpp"
+#include "inferctx/stream.hpp"
 
 namespace inferctx {
 
@@ -61,6 +66,7 @@ class PooledAllocation final : public DeviceAllocation {
   std::shared_ptr<DevicePool> pool_;
   std::mutex mutex_;
   std::vector<cudaStream_t> users_;
+  std::vector<uint64_t> user_serials_;  // owned_stream_serial of each of users_ when it was noted
   std::vector<uint64_t> per_thread_users_;  // threads (this_thread_serial) that noted cudaStreamPerThread
   bool unknown_use_ = false;
 };
@@ -96,8 +102,9 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   friend class PooledAllocation;
   // `other_threads_per_thread_stream`: cudaStreamPerThread was noted on a thread other than the
   // calling one (which that handle does not name here).
-  void release(void* ptr, const std::vector<cudaStream_t>& users, bool unknown_use,
-               bool other_threads_per_thread_stream) noexcept;
+  // `serials`: owned_stream_serial of each of `users` when its use was noted.
+  void release(void* ptr, const std::vector<cudaStream_t>& users, const std::vector<uint64_t>& serials,
+               bool unknown_use, bool other_threads_per_thread_stream) noexcept;
   cudaEvent_t take_event();           // from the free list (or a new one)
   void give_event(cudaEvent_t event) noexcept;
   uint64_t deferral_mark();  // taken before a device synchronisation, for free_deferred
@@ -105,9 +112,11 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // began after it).
   void free_deferred(uint64_t before) noexcept;
   void freed() noexcept;  // a block's free is queued: one allocation fewer
-  // Whether one of `users` that may be asked (a durable stream, or the calling thread's
-  // per-thread default stream; on device_) captures a CUDA graph now. Takes mutex_.
-  bool durable_user_captures(const std::vector<cudaStream_t>& users) const noexcept;
+  // Whether one of `users` that may be asked (a durable stream, a live stream Stream::create
+  // made that `owned` keeps alive, or the calling thread's per-thread default stream; on
+  // device_) captures a CUDA graph now. Takes mutex_.
+  bool durable_user_captures(const std::vector<cudaStream_t>& users, const std::vector<uint64_t>& serials,
+                             const OwnedStreamsHold& owned) const noexcept;
 
   int device_ = 0;
   cudaMemPool_t pool_ = nullptr;

@@ -4,6 +4,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <mutex>
+#include <shared_mutex>
 
 #include "inferctx/cuda_check.hpp"
 
@@ -25,6 +27,27 @@ bool stream_is_on_device(cudaStream_t stream, int device);
 // 4096 such handles; a stream created since at the same address is not). CUDA itself cannot be
 // asked about a destroyed handle.
 bool stream_was_destroyed(cudaStream_t stream) noexcept;
+
+// The streams Stream::create made that are not destroyed yet, each numbered at its creation
+// (never 0): CUDA may give a new stream the address of a destroyed one, whose queued work still
+// runs, and the number tells the two apart. The number of the live one at `stream`, or 0 when
+// `stream` is none of them (destroyed, borrowed, a default stream).
+uint64_t owned_stream_serial(cudaStream_t stream) noexcept;
+
+// While one is held, no stream Stream::create made is destroyed (Stream's destructor waits for
+// the holders), so work may be queued on the streams alive() names. Any number of holders at
+// once; a holder must not destroy a Stream.
+class OwnedStreamsHold {
+ public:
+  OwnedStreamsHold();
+  // Whether `stream` is the live stream numbered `serial` (owned_stream_serial at the time of a
+  // use): the one a use was seen on, not a later one at its address.
+  bool alive(cudaStream_t stream, uint64_t serial) const noexcept;
+  void unlock() noexcept;  // lets go early; alive() must not be asked after
+
+ private:
+  std::shared_lock<std::shared_mutex> lock_;
+};
 
 // A number for the calling thread, never given to another (std::thread::id values are reused
 // once a thread ends): what cudaStreamPerThread names depends on it, so a block or workspace
