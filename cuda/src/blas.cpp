@@ -87,8 +87,22 @@ cublasStatus_t CublasHandle::bind_stream(cudaStream_t stream) noexcept {
 CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, bool capturing) {
   // The per-thread default stream is one handle for as many streams as there are threads.
   const uint64_t thread = stream == cudaStreamPerThread ? this_thread_serial() : 0;
-  for (StreamWorkspace& w : workspaces_) {
+  const uint64_t serial = owned_stream_serial(stream);
+  for (auto it = workspaces_.begin(); it != workspaces_.end(); ++it) {
+    StreamWorkspace& w = *it;
     if (w.stream != stream || w.thread != thread) continue;
+    if (w.serial != serial) {
+      // Another stream had this address (destroyed since, its GEMMs perhaps still queued): its
+      // workspace is not this stream's. A pool block goes back (freed after that stream's work),
+      // unless a graph captured on that stream may hold it; that one, and the handle's own
+      // workspace (which cannot be known to be idle), are left to no stream.
+      if (w.captured || (w.block == nullptr && w.ptr != nullptr)) {
+        w.stream = nullptr;
+      } else {
+        workspaces_.erase(it);
+      }
+      break;
+    }
     if (w.ptr == nullptr && !capturing) {  // first seen in a capture: it gets memory now
       w.block = DevicePool::of(device_)->allocate_now(workspace_->size());
       w.block->note_use(stream);
@@ -99,13 +113,13 @@ CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, 
   bool own_taken = false;
   for (const StreamWorkspace& w : workspaces_) own_taken = own_taken || w.block == nullptr;
   if (!own_taken) {
-    workspaces_.push_back({stream, thread, workspace_->data(), nullptr, 0, capturing});
+    workspaces_.push_back({stream, thread, workspace_->data(), nullptr, 0, capturing, serial});
     return workspaces_.back();
   }
   if (capturing) {
     // No memory can be taken while a stream captures (torch's global capture mode refuses any
     // allocation): its GEMMs run without a workspace, as cuBLAS allows, until it stops capturing.
-    workspaces_.push_back({stream, thread, nullptr, nullptr, 0, false});
+    workspaces_.push_back({stream, thread, nullptr, nullptr, 0, false, serial});
     return workspaces_.back();
   }
   if (static_cast<int>(workspaces_.size()) >= kMaxStreamWorkspaces) {
@@ -123,7 +137,7 @@ CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, 
   // allocation inside a capture would belong to the graph.
   std::shared_ptr<PooledAllocation> block = DevicePool::of(device_)->allocate_now(workspace_->size());
   block->note_use(stream);  // freed, if ever, after the work queued on `stream`
-  workspaces_.push_back({stream, thread, block->data(), block, 0, capturing});
+  workspaces_.push_back({stream, thread, block->data(), block, 0, capturing, serial});
   return workspaces_.back();
 }
 

@@ -479,4 +479,67 @@ TEST_CASE("gpu: each stream's GEMMs get a workspace of their own; concurrent pro
   cudaStreamDestroy(s2);
 }
 
+TEST_CASE("gpu: a stream made at a destroyed stream's address does not take that stream's GEMM workspace") {
+  // The destroyed stream's GEMMs may still be queued on its workspace: a stream CUDA gives the
+  // same address must get another, or the two would write one scratch buffer at once.
+  CublasHandle handle(kDevice);
+  cudaStream_t first = new_stream();
+  {
+    WorkspaceUse use(handle, first);  // takes the handle's own workspace
+  }
+  Stream s = Stream::create(kDevice);
+  const cudaStream_t gone = s.handle();
+  void* old = nullptr;
+  {
+    WorkspaceUse use(handle, gone);
+    old = handle.bound_workspace();
+  }
+  CHECK(old != nullptr && old != handle.workspace());
+  // Work still queued on the stream when it is destroyed (a GEMM would use the workspace then).
+  cudaEvent_t spun = nullptr;
+  check_cuda(cudaEventCreateWithFlags(&spun, cudaEventDisableTiming), "cudaEventCreate", kDevice);
+  spin<<<1, 1, 0, gone>>>(cycles_per_ms() * 200);
+  check_cuda(cudaEventRecord(spun, gone), "cudaEventRecord", kDevice);
+  s = Stream();  // destroyed
+  std::vector<Stream> made;
+  for (int i = 0; i < 64 && (made.empty() || made.back().handle() != gone); ++i) made.push_back(Stream::create(kDevice));
+  if (made.back().handle() != gone) {
+    std::printf("  (skipped: no stream was made at the destroyed one's address in 64 tries)\n");
+  } else {
+    void* now = nullptr;
+    {
+      WorkspaceUse use(handle, gone);
+      now = handle.bound_workspace();
+    }
+    CHECK(now != nullptr && now != handle.workspace());
+    // Not the old workspace while the destroyed stream's work may still use it: a new block, or
+    // the old memory once the pool has waited for that work (its dead user needs a device
+    // synchronisation before the free).
+    CHECK(now != old || cudaEventQuery(spun) == cudaSuccess);
+    {
+      WorkspaceUse use(handle, gone);
+      CHECK(handle.bound_workspace() == now);  // and it is kept for the new stream
+    }
+  }
+  // The own workspace, left to a destroyed stream's address, is not handed to its successor.
+  CublasHandle second(kDevice);
+  Stream t = Stream::create(kDevice);
+  const cudaStream_t t_gone = t.handle();
+  {
+    WorkspaceUse use(second, t_gone);
+    CHECK(second.bound_workspace() == second.workspace());
+  }
+  t = Stream();
+  std::vector<Stream> again;
+  for (int i = 0; i < 64 && (again.empty() || again.back().handle() != t_gone); ++i) again.push_back(Stream::create(kDevice));
+  if (again.back().handle() == t_gone) {
+    WorkspaceUse use(second, t_gone);
+    CHECK(second.bound_workspace() != second.workspace());
+    CHECK(second.bound_workspace() != nullptr);
+  }
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kDevice);
+  cudaEventDestroy(spun);
+  cudaStreamDestroy(first);
+}
+
 int main() { return ::check::run_all_or_cpu_cases("args:"); }

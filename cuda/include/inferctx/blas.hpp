@@ -52,7 +52,9 @@ class CublasHandle {
   // with the handle, later ones a block of the device pool. At most kMaxStreamWorkspaces are kept;
   // beyond that the least recently used is given back (freed after that stream's work), except
   // the workspaces of streams that were being captured into a CUDA graph, which the graph's
-  // nodes keep using. Returns true when `stream` is being captured.
+  // nodes keep using. A stream Stream::create made at the address of a destroyed one (whose
+  // GEMMs may still be queued) does not take that one's workspace. Returns true when `stream` is
+  // being captured.
   bool begin_use(cudaStream_t stream);
   // The workspace bound by the last begin_use.
   void* bound_workspace() const noexcept { return bound_workspace_; }
@@ -76,6 +78,10 @@ class CublasHandle {
     std::shared_ptr<PooledAllocation> block;  // null for the handle's own workspace
     uint64_t last_use;
     bool captured;  // assigned while the stream was capturing: a graph may hold it
+    // owned_stream_serial(stream) when the entry was made: a stream Stream::create made later at
+    // a destroyed one's address has another, and must not share the workspace the destroyed
+    // stream's queued GEMMs may still be using.
+    uint64_t serial;
   };
   std::vector<StreamWorkspace> workspaces_;
   uint64_t uses_ = 0;
