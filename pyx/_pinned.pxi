@@ -2,7 +2,7 @@
 # that DeviceView copies to and from asynchronously.
 
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
-from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
 from libcpp.memory cimport shared_ptr
 
@@ -46,6 +46,7 @@ cdef class PinnedBuffer:
     # the GIL keeps it alive while another thread replaces it (a copy on another device).
     cdef shared_ptr[CppEvent] _last_copy
     cdef bint _copy_pending
+    cdef uint64_t _copies  # copies tracked so far: a wait clears _copy_pending only if none came since
     cdef object __weakref__
 
     def __init__(self, nbytes):
@@ -87,10 +88,14 @@ cdef class PinnedBuffer:
 
     cdef int _wait_copies(self) except -1:
         cdef shared_ptr[CppEvent] event = self._last_copy  # alive until this returns
+        # The wait covers the copies tracked before it began (an event's wait takes its state at
+        # the call): a copy another thread tracks meanwhile keeps the buffer pending.
+        cdef uint64_t seen = self._copies
         if self._copy_pending and event.get() != NULL:
             with nogil:
                 event.get().synchronize()
-            self._copy_pending = False
+            if self._copies == seen:
+                self._copy_pending = False
         return 0
 
     cdef int _track(self, int device, uintptr_t stream) except -1:
@@ -103,6 +108,7 @@ cdef class PinnedBuffer:
         cdef shared_ptr[CppEvent] event = self._last_copy
         with nogil:
             event.get().record(<cudaStream_t>stream)
+        self._copies += 1
         self._copy_pending = True
         return 0
 

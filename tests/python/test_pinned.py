@@ -131,6 +131,41 @@ def test_a_copy_to_host_on_another_stream_is_done_before_later_writes_on_ctx_str
 
 
 @pytest.mark.gpu
+def test_a_wait_that_ends_while_a_later_copy_runs_leaves_that_copy_waited_for(ctx, torch):
+    """One thread waits for a buffer's copies while this one queues a later copy into it (on
+    another stream, behind a longer sleep): the wait ends with the later copy still running, and
+    a read through the buffer protocol must still wait for that one."""
+    import threading
+    import time
+
+    k, v = ctx.kv_cache(0)
+    rng = np.random.default_rng(3)
+    first = rng.standard_normal(k.size).astype(np.float16)
+    second = (first + np.float16(1)).astype(np.float16)  # differs from first everywhere
+    for view, values in ((k, first), (v, second)):
+        src = PinnedBuffer(view.nbytes)
+        np.frombuffer(src, dtype=np.float16)[:] = values
+        view.copy_from_host(src)
+    dst = PinnedBuffer(k.nbytes)
+    np.frombuffer(dst, dtype=np.uint8)[:] = 0
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(100_000_000)  # about 50 ms
+    k.copy_to_host(dst, stream=s1)  # the first copy: k's values
+    waiter = threading.Thread(target=dst.synchronize)
+    waiter.start()
+    time.sleep(0.01)  # the waiter is in its wait, which covers the first copy only
+    with torch.cuda.stream(s2):
+        torch.cuda._sleep(600_000_000)  # about 300 ms
+    v.copy_to_host(dst, stream=s2)  # the later copy: v's values, into the same buffer
+    waiter.join()
+    assert not s2.query(), "the waiter's wait covered the later copy too: the test proves nothing"
+    got = np.frombuffer(dst, dtype=np.float16).copy()  # must wait for the later copy
+    assert np.array_equal(got, second)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("use_stream", [False, True])
 def test_async_round_trip(ctx, use_stream):
     k, v = ctx.kv_cache(0)
