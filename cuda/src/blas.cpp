@@ -87,22 +87,15 @@ cublasStatus_t CublasHandle::bind_stream(cudaStream_t stream) noexcept {
 CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, bool capturing) {
   // The per-thread default stream is one handle for as many streams as there are threads.
   const uint64_t thread = stream == cudaStreamPerThread ? this_thread_serial() : 0;
-  const uint64_t serial = owned_stream_serial(stream);
-  for (auto it = workspaces_.begin(); it != workspaces_.end(); ++it) {
-    StreamWorkspace& w = *it;
+  // Streams Stream::create made were made or destroyed since the entries were last checked: an
+  // entry whose stream is gone (its address perhaps another stream's now) is not to be matched.
+  const uint64_t version = owned_streams_version();
+  if (version != checked_version_) {
+    forget_gone_streams(capturing);
+    checked_version_ = version;
+  }
+  for (StreamWorkspace& w : workspaces_) {
     if (w.stream != stream || w.thread != thread) continue;
-    if (w.serial != serial) {
-      // Another stream had this address (destroyed since, its GEMMs perhaps still queued): its
-      // workspace is not this stream's. A pool block goes back (freed after that stream's work),
-      // unless a graph captured on that stream may hold it; that one, and the handle's own
-      // workspace (which cannot be known to be idle), are left to no stream.
-      if (w.captured || (w.block == nullptr && w.ptr != nullptr)) {
-        w.stream = nullptr;
-      } else {
-        workspaces_.erase(it);
-      }
-      break;
-    }
     if (w.ptr == nullptr && !capturing) {  // first seen in a capture: it gets memory now
       w.block = DevicePool::of(device_)->allocate_now(workspace_->size());
       w.block->note_use(stream);
@@ -110,6 +103,7 @@ CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, 
     }
     return w;
   }
+  const uint64_t serial = owned_stream_serial(stream);
   bool own_taken = false;
   for (const StreamWorkspace& w : workspaces_) own_taken = own_taken || w.block == nullptr;
   if (!own_taken) {
@@ -139,6 +133,26 @@ CublasHandle::StreamWorkspace& CublasHandle::workspace_for(cudaStream_t stream, 
   block->note_use(stream);  // freed, if ever, after the work queued on `stream`
   workspaces_.push_back({stream, thread, block->data(), block, 0, capturing, serial});
   return workspaces_.back();
+}
+
+void CublasHandle::forget_gone_streams(bool capturing) {
+  for (auto it = workspaces_.begin(); it != workspaces_.end();) {
+    if (it->stream == nullptr || it->serial == owned_stream_serial(it->stream)) {
+      ++it;
+      continue;
+    }
+    // The entry's stream was destroyed (its GEMMs perhaps still queued on the workspace). A pool
+    // block goes back, freed after the device is done with it; but not while a stream captures
+    // (that wait would end the capture in error), nor one a graph captured on that stream may
+    // hold. Those, and the handle's own workspace (which cannot be known to be idle), are left
+    // to no stream: the pool ones are given back with the least recently used later.
+    if (capturing || it->captured || it->block == nullptr) {
+      it->stream = nullptr;
+      ++it;
+    } else {
+      it = workspaces_.erase(it);
+    }
+  }
 }
 
 bool CublasHandle::begin_use(cudaStream_t stream) {

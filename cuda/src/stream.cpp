@@ -60,11 +60,13 @@ std::unordered_map<cudaStream_t, uint64_t>& owned_streams() {
   return *m;
 }
 uint64_t next_owned_serial = 1;  // under owned_mutex
+std::atomic<uint64_t> owned_version{0};  // owned_streams_version: moved under owned_mutex
 
 void note_owned(cudaStream_t handle) noexcept {
   try {
     std::unique_lock<std::shared_mutex> lock(owned_mutex());
     owned_streams()[handle] = next_owned_serial++;
+    owned_version.fetch_add(1, std::memory_order_release);
   } catch (...) {
     // Out of memory: the stream goes unrecorded, and a block used on it is freed after a device
     // synchronisation, as for a stream of another library.
@@ -73,7 +75,7 @@ void note_owned(cudaStream_t handle) noexcept {
 
 void forget_owned(cudaStream_t handle) noexcept {
   std::unique_lock<std::shared_mutex> lock(owned_mutex());  // waits for the holders
-  owned_streams().erase(handle);
+  if (owned_streams().erase(handle) != 0) owned_version.fetch_add(1, std::memory_order_release);
 }
 
 }  // namespace
@@ -89,6 +91,8 @@ uint64_t owned_stream_serial(cudaStream_t stream) noexcept {
   const auto it = owned_streams().find(stream);
   return it == owned_streams().end() ? 0 : it->second;
 }
+
+uint64_t owned_streams_version() noexcept { return owned_version.load(std::memory_order_acquire); }
 
 OwnedStreamsHold::OwnedStreamsHold() : lock_(owned_mutex()) {}
 

@@ -52,9 +52,9 @@ class CublasHandle {
   // with the handle, later ones a block of the device pool. At most kMaxStreamWorkspaces are kept;
   // beyond that the least recently used is given back (freed after that stream's work), except
   // the workspaces of streams that were being captured into a CUDA graph, which the graph's
-  // nodes keep using. A stream Stream::create made at the address of a destroyed one (whose
-  // GEMMs may still be queued) does not take that one's workspace. Returns true when `stream` is
-  // being captured.
+  // nodes keep using. The workspace of a stream Stream::create made is unbound once that stream
+  // is destroyed (its GEMMs may still be queued on it): a stream made later at its address gets
+  // another. Returns true when `stream` is being captured.
   bool begin_use(cudaStream_t stream);
   // The workspace bound by the last begin_use.
   void* bound_workspace() const noexcept { return bound_workspace_; }
@@ -88,6 +88,9 @@ class CublasHandle {
   void* bound_workspace_ = nullptr;
   int64_t bound_workspace_bytes_ = 0;
   StreamWorkspace& workspace_for(cudaStream_t stream, bool capturing);
+  // Unbinds the entries whose stream Stream::create made and has destroyed since (see serial).
+  void forget_gone_streams(bool capturing);
+  uint64_t checked_version_ = 0;  // owned_streams_version() when the entries were last checked
 
   void destroy_handles() noexcept;
 };

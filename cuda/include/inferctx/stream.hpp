@@ -33,6 +33,9 @@ bool stream_was_destroyed(cudaStream_t stream) noexcept;
 // runs, and the number tells the two apart. The number of the live one at `stream`, or 0 when
 // `stream` is none of them (destroyed, borrowed, a default stream).
 uint64_t owned_stream_serial(cudaStream_t stream) noexcept;
+// Changes whenever Stream::create makes a stream or one it made is destroyed (one atomic load):
+// a cache of owned_stream_serial's answers is current while this has not changed.
+uint64_t owned_streams_version() noexcept;
 
 // While one is held, no stream Stream::create made is destroyed (Stream's destructor waits for
 // the holders), so work may be queued on the streams alive() names. Any number of holders at
