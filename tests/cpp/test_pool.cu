@@ -79,6 +79,23 @@ std::shared_ptr<PooledAllocation> block_of_ones(DevicePool& pool, int n, cudaStr
   return block;
 }
 
+// Replays `graph` (when the capture made one) on `stream`, checks that it filled all n ints of
+// `out` with 3, then destroys it.
+void replay_and_check_threes(cudaGraph_t graph, cudaStream_t stream, const int* out, int n) {
+  if (graph == nullptr) return;
+  cudaGraphExec_t exec = nullptr;
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate", kDevice);
+  check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch", kDevice);
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize", kDevice);
+  std::vector<int> host(n);
+  check_cuda(cudaMemcpy(host.data(), out, int64_t{n} * 4, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+  int wrong = 0;
+  for (int v : host) wrong += v != 3;
+  CHECK_EQ(wrong, 0);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 }  // namespace
 
 TEST_CASE("gpu: negative sizes and a null stream are refused") {
@@ -325,22 +342,10 @@ TEST_CASE("gpu: a block let go while its durable stream captures a CUDA graph wa
   CHECK_EQ(static_cast<int>(cudaStreamEndCapture(durable, &graph)), static_cast<int>(cudaSuccess));
   CHECK(graph != nullptr);
   CHECK_EQ(pool->stats().allocations - before, int64_t{1});  // kept, and counted
-  cudaGraphExec_t exec = nullptr;
-  if (graph != nullptr) {
-    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate", kDevice);
-    check_cuda(cudaGraphLaunch(exec, durable), "cudaGraphLaunch", kDevice);
-    check_cuda(cudaStreamSynchronize(durable), "cudaStreamSynchronize", kDevice);
-    std::vector<int> host(n);
-    check_cuda(cudaMemcpy(host.data(), other, int64_t{n} * 4, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
-    int wrong = 0;
-    for (int v : host) wrong += v != 3;
-    CHECK_EQ(wrong, 0);  // the captured work ran
-  }
+  replay_and_check_threes(graph, durable, other, n);  // the captured work runs
   pool->trim(0);  // a device synchronisation: the kept block is freed now
   CHECK_EQ(pool->stats().allocations, before);
   CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
-  if (exec != nullptr) cudaGraphExecDestroy(exec);
-  if (graph != nullptr) cudaGraphDestroy(graph);
   cudaFree(other);
 }
 
@@ -373,22 +378,10 @@ TEST_CASE("gpu: a block also used where only a device synchronisation can wait, 
   CHECK_EQ(static_cast<int>(cudaStreamEndCapture(durable, &graph)), static_cast<int>(cudaSuccess));
   CHECK(graph != nullptr);
   CHECK_EQ(pool->stats().allocations - before, int64_t{2});  // kept, and counted
-  cudaGraphExec_t exec = nullptr;
-  if (graph != nullptr) {
-    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate", kDevice);
-    check_cuda(cudaGraphLaunch(exec, durable), "cudaGraphLaunch", kDevice);
-    check_cuda(cudaStreamSynchronize(durable), "cudaStreamSynchronize", kDevice);
-    std::vector<int> host(n);
-    check_cuda(cudaMemcpy(host.data(), other, int64_t{n} * 4, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
-    int wrong = 0;
-    for (int v : host) wrong += v != 3;
-    CHECK_EQ(wrong, 0);  // the captured work ran
-  }
+  replay_and_check_threes(graph, durable, other, n);  // the captured work runs
   pool->trim(0);  // a device synchronisation: both kept blocks are freed now
   CHECK_EQ(pool->stats().allocations, before);
   CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
-  if (exec != nullptr) cudaGraphExecDestroy(exec);
-  if (graph != nullptr) cudaGraphDestroy(graph);
   cudaFree(other);
   cudaStreamDestroy(side);
 }

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import glob
 import os
 import sys
@@ -227,10 +226,9 @@ def test_set_seed_restarts_a_graph_at_replay_0(torch, ctx):
     np.testing.assert_array_equal(host_words(torch, mk), graph_words(2, site, 0, 0.1, n))
 
 
-
-
-def test_a_destroyed_graph_releases_its_site(torch, ctx):
-    n = 1024
+def _capture_one_dropout(torch, ctx, n=1024):
+    """A CUDA graph of one dropout of n ones into buffers made before the capture, the live call
+    sites counted before it, and those buffers (kept alive with the graph, which writes them)."""
     x = torch.ones(n, device="cuda")
     y = torch.empty_like(x)
     mk = torch.empty(n // 32, dtype=torch.int32, device="cuda")
@@ -239,6 +237,11 @@ def test_a_destroyed_graph_releases_its_site(torch, ctx):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         inferctx.dropout(x, 0.5, out=y, mask_out=mk)
+    return g, live, (x, y, mk)
+
+
+def test_a_destroyed_graph_releases_its_site(torch, ctx):
+    g, live, _buffers = _capture_one_dropout(torch, ctx)
     g.replay()
     torch.cuda.synchronize()
     assert _core.graph_rng_state(ctx)["live_sites"] == live + 1
@@ -448,15 +451,7 @@ def test_graph_rng_state_reports_the_eager_and_graph_state(torch, ctx):
     default = _core.graph_rng_state()
     assert (default["seed"], default["offset"], default["epoch"], default["sites"]) == (12, 8, s["epoch"], s["sites"])
     # A capture takes the next call site and holds it live; the eager state stays as it was.
-    n = 1024
-    x = torch.ones(n, device="cuda")
-    y = torch.empty_like(x)
-    mk = torch.empty(n // 32, dtype=torch.int32, device="cuda")
-    torch.cuda.synchronize()
-    live = settled_live_sites(ctx)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        inferctx.dropout(x, 0.5, out=y, mask_out=mk)
+    g, live, _buffers = _capture_one_dropout(torch, ctx)
     c = _core.graph_rng_state(ctx)
     assert (c["seed"], c["offset"], c["epoch"], c["sites"]) == (12, 8, s["epoch"], s["sites"] + 1)
     assert c["live_sites"] == live + 1 and c["slots"] >= c["live_sites"]
