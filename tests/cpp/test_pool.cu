@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <functional>
 #include <cstdio>
 #include <memory>
 #include <thread>
@@ -79,21 +80,34 @@ std::shared_ptr<PooledAllocation> block_of_ones(DevicePool& pool, int n, cudaStr
   return block;
 }
 
-// Replays `graph` (when the capture made one) on `stream`, checks that it filled all n ints of
-// `out` with 3, then destroys it.
-void replay_and_check_threes(cudaGraph_t graph, cudaStream_t stream, const int* out, int n) {
-  if (graph == nullptr) return;
-  cudaGraphExec_t exec = nullptr;
-  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate", kDevice);
-  check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch", kDevice);
-  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize", kDevice);
-  std::vector<int> host(n);
-  check_cuda(cudaMemcpy(host.data(), out, int64_t{n} * 4, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
-  int wrong = 0;
-  for (int v : host) wrong += v != 3;
-  CHECK_EQ(wrong, 0);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+// Captures on `durable` a fill of all n ints of `out` with 3 while `let_go` drops blocks of the
+// pool: the capture must end whole with the `kept` blocks still counted (from `before`), the
+// graph must replay, and trim() (a device synchronisation) must then free them.
+void let_go_during_capture(DevicePool& pool, cudaStream_t durable, int* out, int n, int64_t before, int64_t kept,
+                           const std::function<void()>& let_go) {
+  check_cuda(cudaStreamBeginCapture(durable, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture", kDevice);
+  fill<<<(n + 255) / 256, 256, 0, durable>>>(out, n, 3);  // the graph's work
+  let_go();
+  cudaGraph_t graph = nullptr;
+  CHECK_EQ(static_cast<int>(cudaStreamEndCapture(durable, &graph)), static_cast<int>(cudaSuccess));
+  CHECK(graph != nullptr);
+  CHECK_EQ(pool.stats().allocations - before, kept);  // kept, and counted
+  if (graph != nullptr) {
+    cudaGraphExec_t exec = nullptr;
+    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate", kDevice);
+    check_cuda(cudaGraphLaunch(exec, durable), "cudaGraphLaunch", kDevice);
+    check_cuda(cudaStreamSynchronize(durable), "cudaStreamSynchronize", kDevice);
+    std::vector<int> host(n);
+    check_cuda(cudaMemcpy(host.data(), out, int64_t{n} * 4, cudaMemcpyDeviceToHost), "cudaMemcpy", kDevice);
+    int wrong = 0;
+    for (int v : host) wrong += v != 3;
+    CHECK_EQ(wrong, 0);  // the captured work ran
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  pool.trim(0);
+  CHECK_EQ(pool.stats().allocations, before);
+  CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
 }
 
 }  // namespace
@@ -266,28 +280,22 @@ TEST_CASE("gpu: a use on a stream Stream::create made is waited for by an event 
   check_cuda(cudaMalloc(&total, sizeof *total), "cudaMalloc", kDevice);
   cudaStream_t busy = new_stream(), other = new_stream();
   {
-    // Alive: the block is freed in the stream's order (one user), and the free waits for nothing
-    // else: unrelated work on `busy` is still running when the block has been let go.
+    // Alive: the free waits for nothing else than the block's users (unrelated work on `busy` is
+    // still running when the block has been let go), whether s is its one user (freed in s's
+    // order) or one of two (the legacy stream too; both waited for by events).
     Stream s = Stream::create(kDevice);
     CHECK(owned_stream_serial(s.handle()) != 0);
-    check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
-    pool->trim(0);
-    auto block = block_of_ones(*pool, n, s.handle());
-    read_late(*block, n, s.handle(), total);  // s reads the block 50 ms from now
-    spin<<<1, 1, 0, busy>>>(cycles_per_ms() * 500);
-    block.reset();
-    CHECK_EQ(static_cast<int>(cudaStreamQuery(busy)), static_cast<int>(cudaErrorNotReady));
-    CHECK_EQ(reader_total_after_reuse(*pool, n, other, total), static_cast<unsigned long long>(n));
-    // Two users, both waited for by events: again no device synchronisation.
-    check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
-    pool->trim(0);
-    block = block_of_ones(*pool, n, cudaStreamLegacy);
-    block->note_use(s.handle());
-    read_late(*block, n, s.handle(), total);
-    spin<<<1, 1, 0, busy>>>(cycles_per_ms() * 500);
-    block.reset();
-    CHECK_EQ(static_cast<int>(cudaStreamQuery(busy)), static_cast<int>(cudaErrorNotReady));
-    CHECK_EQ(reader_total_after_reuse(*pool, n, other, total), static_cast<unsigned long long>(n));
+    for (const bool two_users : {false, true}) {
+      check_cuda(cudaMemset(total, 0, sizeof *total), "cudaMemset", kDevice);
+      pool->trim(0);
+      auto block = block_of_ones(*pool, n, two_users ? cudaStreamLegacy : s.handle());
+      if (two_users) block->note_use(s.handle());
+      read_late(*block, n, s.handle(), total);  // s reads the block 50 ms from now
+      spin<<<1, 1, 0, busy>>>(cycles_per_ms() * 500);
+      block.reset();
+      CHECK_EQ(static_cast<int>(cudaStreamQuery(busy)), static_cast<int>(cudaErrorNotReady));
+      CHECK_EQ(reader_total_after_reuse(*pool, n, other, total), static_cast<unsigned long long>(n));
+    }
   }
   {
     // Destroyed before the block is let go, with its reader still queued: a device
@@ -335,17 +343,7 @@ TEST_CASE("gpu: a block let go while its durable stream captures a CUDA graph wa
   auto block = pool->allocate(int64_t{n} * 4, durable);
   fill<<<(n + 255) / 256, 256, 0, durable>>>(static_cast<int*>(block->data()), n, 1);  // used eagerly
   check_cuda(cudaStreamSynchronize(durable), "cudaStreamSynchronize", kDevice);
-  check_cuda(cudaStreamBeginCapture(durable, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture", kDevice);
-  fill<<<(n + 255) / 256, 256, 0, durable>>>(other, n, 3);  // the graph's work
-  block.reset();                                            // let go during the capture
-  cudaGraph_t graph = nullptr;
-  CHECK_EQ(static_cast<int>(cudaStreamEndCapture(durable, &graph)), static_cast<int>(cudaSuccess));
-  CHECK(graph != nullptr);
-  CHECK_EQ(pool->stats().allocations - before, int64_t{1});  // kept, and counted
-  replay_and_check_threes(graph, durable, other, n);  // the captured work runs
-  pool->trim(0);  // a device synchronisation: the kept block is freed now
-  CHECK_EQ(pool->stats().allocations, before);
-  CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
+  let_go_during_capture(*pool, durable, other, n, before, 1, [&] { block.reset(); });
   cudaFree(other);
 }
 
@@ -370,18 +368,10 @@ TEST_CASE("gpu: a block also used where only a device synchronisation can wait, 
   unknown->note_unknown_use();
   also_on_side->note_use(side);
   CHECK_EQ(pool->stats().allocations - before, int64_t{2});
-  check_cuda(cudaStreamBeginCapture(durable, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture", kDevice);
-  fill<<<(n + 255) / 256, 256, 0, durable>>>(other, n, 3);  // the graph's work
-  unknown.reset();                                          // both let go during the capture
-  also_on_side.reset();
-  cudaGraph_t graph = nullptr;
-  CHECK_EQ(static_cast<int>(cudaStreamEndCapture(durable, &graph)), static_cast<int>(cudaSuccess));
-  CHECK(graph != nullptr);
-  CHECK_EQ(pool->stats().allocations - before, int64_t{2});  // kept, and counted
-  replay_and_check_threes(graph, durable, other, n);  // the captured work runs
-  pool->trim(0);  // a device synchronisation: both kept blocks are freed now
-  CHECK_EQ(pool->stats().allocations, before);
-  CHECK_EQ(static_cast<int>(cudaGetLastError()), static_cast<int>(cudaSuccess));
+  let_go_during_capture(*pool, durable, other, n, before, 2, [&] {
+    unknown.reset();
+    also_on_side.reset();
+  });
   cudaFree(other);
   cudaStreamDestroy(side);
 }
