@@ -1,7 +1,8 @@
 """The scripts under tools/, checked where they can be without a GPU: they parse, gpu-suite
-refuses a step it does not know, its fuzz step runs every GPU fuzz suite there is, and the
+refuses a step it does not know, its fuzz step runs every GPU fuzz suite there is, the
 commands the docs give for gpu-suite and bench-run name steps, variables, files and benchmarks
-that exist."""
+that exist, and, with stand-ins for python3, cmake, ctest and compute-sanitizer on PATH, the
+steps' summaries and exit statuses on success and on each kind of failure."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import subprocess
 import pytest
 
 TOP = pathlib.Path(__file__).resolve().parents[2]
-BASH_SCRIPTS = ("gpu-suite", "run-tests", "bench-run", "host-sanitize")
+BASH_SCRIPTS = ("gpu-suite", "run-tests", "bench-run", "host-sanitize", "source-stamp")
 
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -114,3 +115,253 @@ def test_any_machine_the_benchmarks_the_docs_give_bench_run_exist():
         assert words, (page, "tools/bench-run with no benchmark")
         for name in (w for w in words if w != "NAME..."):  # NAME...: the usage line
             assert (TOP / "bench" / f"{name}.py").is_file(), (page, name)
+
+
+# Stand-ins for the programs the scripts run on the GPU machine. Each notes its call in $CALLS;
+# the variables named in capitals choose what it does.
+STAND_INS = {
+    "python3": r"""
+printf 'python3 %s | SANITIZE=%s\n' "$*" "${INFERCTX_SANITIZE:-}" >>"$CALLS"
+if [ "$1 $2" = "-m pip" ]; then
+  prev=""; for a in "$@"; do [ "$prev" = --target ] && target=$a; prev=$a; done
+  echo "  [3/40] Building CXX object CMakeFiles/inferctx.dir/cuda/errors.cpp.o"
+  [ "${PIP_RC:-0}" = 0 ] || exit "$PIP_RC"
+  mkdir -p "$target/inferctx"; echo "Successfully installed inferctx-0.1.0"; exit 0
+fi
+if [ "$1 $2" = "-m pytest" ]; then
+  echo "...."
+  case "${PYTEST:-pass}" in
+    pass) echo "3 passed in 0.10s" ;;
+    fail) echo "1 failed, 2 passed in 0.10s"; exit 1 ;;
+    killed) kill -KILL $$ ;;
+  esac
+  exit 0
+fi
+case "$1" in bench/*.py)
+  b=$(basename "$1" .py); prev=""; for a in "$@"; do [ "$prev" = --json ] && json=$a; prev=$a; done
+  [ "$b" = "${BENCH_FAIL:-}" ] && { echo "Traceback"; exit 3; }
+  echo '{}' >"$json"; echo "$b done"; exit 0 ;;
+esac
+exit 99
+""",
+    "cmake": r"""
+printf 'cmake %s | SANITIZE=%s\n' "$*" "${INFERCTX_SANITIZE:-}" >>"$CALLS"
+if [ "$1" = -S ]; then mkdir -p "$4"; exit 0; fi
+[ "${BUILD_RC:-0}" = 0 ] || exit "$BUILD_RC"
+mkdir -p "$2/tests/cpp"
+for t in ${EXES-test_plan test_fp16 test_context}; do
+  printf '#!/usr/bin/env bash\necho "%s ran"\n' "$t" >"$2/tests/cpp/$t"; chmod +x "$2/tests/cpp/$t"
+done
+""",
+    "ctest": r"""
+printf 'ctest %s | SANITIZE=%s LSAN_OPTIONS=%s\n' "$*" "${INFERCTX_SANITIZE:-}" "${LSAN_OPTIONS:-}" >>"$CALLS"
+[ "${CTEST_RC:-0}" = 0 ] && { echo "100% tests passed, 0 tests failed out of 3"; exit 0; }
+echo "15 cases, 2 failed checks"; echo "67% tests passed, 1 tests failed out of 3"; exit 8
+""",
+    "compute-sanitizer": r"""
+printf 'compute-sanitizer %s | SANITIZE=%s\n' "$*" "${INFERCTX_SANITIZE:-}" >>"$CALLS"
+while [ $# -gt 0 ]; do case "$1" in
+  --tool) tool=$2; shift 2 ;;
+  --error-exitcode|--require-cuda-init|--kernel-name|--kernel-name-exclude|--report-api-errors) shift 2 ;;
+  *) break ;; esac; done
+"$@"; rc=$?
+case " ${SAN_KILL:-} " in *" $tool:$(basename "$1") "*|*" $tool "*)
+  echo "========= Error: process didn't terminate successfully"; echo "========= ERROR SUMMARY: 0 errors"; exit 0 ;; esac
+case " ${SAN_FAIL:-} " in *" $tool:$(basename "$1") "*)
+  echo "========= ERROR SUMMARY: 2 errors"; exit 1 ;; esac
+echo "========= ERROR SUMMARY: 0 errors"; exit $rc
+""",
+    "g++": r"""
+case "$1" in --version) echo "g++ (stand-in) 12" ;; -print-file-name=*) echo "/nonexistent/${1#*=}" ;; esac
+""",
+}
+
+
+@pytest.fixture
+def stand_ins(tmp_path):
+    """tools/ copied into a folder whose path has a space, with the few sources its stamp reads and
+    two benchmarks (and a helper module), the stand-ins first on PATH; returns run(SCRIPT,
+    *ARGS, **ENV) and the folders."""
+    repo = tmp_path / "a repo"
+    shutil.copytree(TOP / "tools", repo / "tools")
+    for f in ("CMakeLists.txt", "pyproject.toml", "cuda/k.cu", "pyx/m.pyx", "python/inferctx/__init__.py",
+              "bench/fast.py", "bench/other.py", "bench/_helper.py"):
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        (repo / f).write_text("# " + f + "\n")
+    bin_dir = tmp_path / "stand-ins"
+    bin_dir.mkdir()
+    for name, body in STAND_INS.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body.lstrip("\n"))
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "out dir"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out), "CALLS": str(tmp_path / "calls.log"),
+           "INFERCTX_SITE": str(tmp_path / "site dir"), "INFERCTX_FAULT_SITE": str(tmp_path / "fault site"),
+           "HOSTSAN_BUILD": str(tmp_path / "hostsan build"), "FUZZ_SUITES": "dropout"}
+
+    def run(script, *args, **extra):
+        (tmp_path / "calls.log").write_text("")
+        done = subprocess.run(["bash", str(repo / "tools" / script), *args], capture_output=True, text=True,
+                              env={**env, **extra}, timeout=120)
+        summary = out / "summary.txt"
+        done.summary = summary.read_text() if summary.exists() else ""
+        done.calls = (tmp_path / "calls.log").read_text()
+        return done
+
+    run.repo, run.out, run.site = repo, out, pathlib.Path(env["INFERCTX_SITE"])
+    return run
+
+
+@needs_bash
+def test_any_machine_run_tests_runs_pytest_after_a_failed_ctest(stand_ins):
+    done = stand_ins("run-tests", "-x", CTEST_RC="1")
+    assert done.returncode == 8, (done.stdout, done.stderr)
+    assert "-m pytest tests/python -ra -x" in done.calls
+    done = stand_ins("run-tests", CTEST_RC="1", PYTEST="fail")
+    assert done.returncode == 1
+    assert stand_ins("run-tests").returncode == 0
+
+
+@needs_bash
+def test_any_machine_gpu_suite_reads_this_runs_output_only(stand_ins):
+    """A second run into the same $OUT whose pytest was killed shows no pytest line, not the
+    first run's; a killed fault-injection run shows none either, not a line of its build."""
+    first = stand_ins("gpu-suite")
+    assert first.returncode == 0, (first.stdout, first.stderr)
+    assert first.summary.splitlines()[-2:] == ["100% tests passed, 0 tests failed out of 3", "3 passed in 0.10s"]
+    again = stand_ins("gpu-suite", "tests", PYTEST="killed")
+    assert again.returncode == 1
+    assert again.summary.splitlines()[0].startswith("tests rc=137 ")
+    assert "passed in" not in again.summary
+    faults = stand_ins("gpu-suite", "faults", PYTEST="killed")
+    assert faults.returncode == 1
+    lines = faults.summary.splitlines()
+    assert [line.split()[:2] for line in lines] == [["build-faults", "rc=0"], ["faults", "rc=137"],
+                                                    ["faults-cudamalloc", "rc=137"]], lines
+
+
+@needs_bash
+def test_any_machine_gpu_suite_pysanitize_counts_a_killed_run_of_this_run_only(stand_ins):
+    killed = stand_ins("gpu-suite", "pysanitize", PYSANITIZE_TOOLS="memcheck racecheck", SAN_KILL="racecheck")
+    assert killed.returncode == 1
+    assert "py-racecheck: the process was killed" in killed.summary
+    assert "py-memcheck: the process was killed" not in killed.summary
+    again = stand_ins("gpu-suite", "pysanitize", PYSANITIZE_TOOLS="racecheck")
+    assert again.returncode == 0, again.summary
+    assert "killed" not in again.summary
+
+
+@needs_bash
+def test_any_machine_gpu_suite_sanitize(stand_ins):
+    """Every executable under the four tools, from a folder whose path has a space; a failed run
+    fails the exit status whatever the executable's name; INFERCTX_SANITIZE is set for the
+    sanitized runs, not for a later step; no earlier run's log joins sanitizer.log."""
+    stand_ins.out.mkdir()
+    (stand_ins.out / "san-memcheck.test_gone.log").write_text("========= ERROR SUMMARY: 9 errors\n")
+    done = stand_ins("gpu-suite", "sanitize", "tests", SAN_FAIL="initcheck:test_fp16")
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    runs = sorted(line for line in done.summary.splitlines() if "check:" in line)
+    assert len(runs) == 12, runs  # three executables, four tools each (test_context alone)
+    assert "initcheck:test_fp16 rc=1" in runs
+    sanitized = [line for line in done.calls.splitlines() if line.startswith("compute-sanitizer")]
+    assert len(sanitized) == 12 and all(line.endswith("SANITIZE=1") for line in sanitized)
+    assert all("a repo/build/ctest/tests/cpp/test_" in line for line in sanitized)
+    later = [line for line in done.calls.splitlines() if line.startswith(("ctest", "python3 -m pytest"))]
+    assert later and not [line for line in later if "SANITIZE=1" in line], later
+    log = (stand_ins.out / "sanitizer.log").read_text()
+    assert "9 errors" not in log and log.count("#####") == 12
+    assert not list(stand_ins.out.glob("san-*.log"))
+    assert stand_ins("gpu-suite", "sanitize").returncode == 0
+
+
+@needs_bash
+def test_any_machine_gpu_suite_sanitize_fails_when_nothing_or_the_wrong_thing_runs(stand_ins):
+    none = stand_ins("gpu-suite", "sanitize", EXES="")
+    assert none.returncode == 1 and "sanitize: no executable" in none.summary
+    typo = stand_ins("gpu-suite", "sanitize", SANITIZE_TESTS="build/ctest/tests/cpp/test_plna")
+    assert typo.returncode == 1
+    assert "sanitize: no executable build/ctest/tests/cpp/test_plna" in typo.summary
+    # A ctest build that failed stops the step, not the steps after it.
+    unbuilt = stand_ins("gpu-suite", "sanitize", "fuzz", BUILD_RC="1")
+    assert unbuilt.returncode == 1
+    assert "sanitize: the ctest executables did not build" in unbuilt.summary
+    assert "fuzz:dropout rc=0" in unbuilt.summary
+
+
+@needs_bash
+def test_any_machine_gpu_suite_builds_once_and_never_tests_a_stale_build(stand_ins):
+    done = stand_ins("gpu-suite", "build", "bench")
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert done.calls.count("-m pip install") == 1  # bench-run takes the build step's
+    assert "=== build: python3 -m pip" in (stand_ins.out / "build.log").read_text()
+    assert "=== fast rc=0" in done.summary and "=== other rc=0" in done.summary and "_helper" not in done.summary
+    # tests, pysanitize and fuzz build what is not a build of these sources, once.
+    (stand_ins.repo / "cuda" / "k.cu").write_text("// changed\n")
+    done = stand_ins("gpu-suite", "tests", "fuzz", PYSANITIZE_TOOLS="memcheck")
+    assert done.returncode == 0
+    assert done.calls.count("-m pip install") == 1
+    assert stand_ins("gpu-suite", "pysanitize", PYSANITIZE_TOOLS="memcheck").calls.count("-m pip") == 0
+    # After a failed build nothing runs against the build that was there before.
+    (stand_ins.repo / "cuda" / "k.cu").write_text("// changed again\n")
+    failed = stand_ins("gpu-suite", "build", "tests", "bench", "faults", PIP_RC="1")
+    assert failed.returncode == 1
+    assert "tests: not run, the build step failed" in failed.summary
+    assert "bench: not run, the build step failed" in failed.summary
+    assert "-m pytest" not in failed.calls and "bench/" not in failed.calls
+    assert "build-faults rc=1" in failed.summary  # faults makes a build of its own
+
+
+@needs_bash
+def test_any_machine_a_failed_benchmark_fails_bench_run_and_the_bench_step(stand_ins):
+    done = stand_ins("gpu-suite", "bench", BENCH_FAIL="fast")
+    assert done.returncode == 1
+    assert done.summary.splitlines()[0].startswith("bench rc=1 ")
+    assert "=== fast rc=3" in done.summary
+    again = stand_ins("bench-run", "other")
+    assert again.returncode == 0
+    assert (stand_ins.out / "bench-summary.txt").read_text().splitlines()[0].startswith("=== other rc=0")
+
+
+@needs_bash
+def test_any_machine_gpu_suite_checks_every_step_name_first(stand_ins):
+    done = stand_ins("gpu-suite", "build", "tsets")
+    assert done.returncode == 2
+    assert "unknown step tsets" in done.stderr
+    assert done.calls == ""
+
+
+def _sanitizer_flags(text):
+    """The sanitizers' parse of an options string: name=value pairs apart at spaces, colons or
+    commas, a value in quotes kept whole."""
+    flags, i = {}, 0
+    while i < len(text):
+        if text[i] in " :,\t\n":
+            i += 1
+            continue
+        eq = text.index("=", i)
+        name, i = text[i:eq], eq + 1
+        if i < len(text) and text[i] in "'\"":
+            end = text.index(text[i], i + 1)
+            flags[name], i = text[i + 1:end], end + 1
+        else:
+            end = i
+            while end < len(text) and text[end] not in " :,\t\n":
+                end += 1
+            flags[name], i = text[i:end], end
+    return flags
+
+
+@needs_bash
+def test_any_machine_host_sanitize(stand_ins):
+    """The suppressions file reaches LeakSanitizer from a path with a space, and a pytest that
+    died leaves no pytest line (a ctest executable's "N cases, M failed checks" is none)."""
+    done = stand_ins("host-sanitize", CTEST_RC="1", PYTEST="killed")
+    assert done.returncode == 1
+    lsan = re.search(r"LSAN_OPTIONS=(.*)$", [c for c in done.calls.splitlines() if c.startswith("ctest")][0]).group(1)
+    assert _sanitizer_flags(lsan)["suppressions"] == str(stand_ins.repo / "tools" / "lsan.supp")
+    lines = done.stdout.splitlines()
+    assert lines[-2:] == ["67% tests passed, 1 tests failed out of 3", lines[-1]]
+    assert lines[-1].startswith("hostsan pytest rc=137 "), lines
+    done = stand_ins("gpu-suite", "hostsan", PYTEST_ARGS="--durations=5")
+    assert done.returncode == 0, done.stdout
+    assert done.summary.splitlines()[-1] == "3 passed in 0.10s"
+    assert "--durations=5" in done.calls
