@@ -332,14 +332,13 @@ PooledAllocation::~PooledAllocation() {
 
 void PooledAllocation::note_use(cudaStream_t stream) {
   require_explicit_stream(stream, "PooledAllocation::note_use");
-  // A stream first seen now is numbered now: a later stream at its address is another one. (One
-  // seen before keeps its number, so a stream at the address of a destroyed one that the block
-  // saw is taken for neither, and the free synchronises the device.)
-  const uint64_t serial = owned_stream_serial(stream);
   std::lock_guard<std::mutex> lock(mutex_);
   if (std::find(users_.begin(), users_.end(), stream) == users_.end()) {
+    // A stream first seen now is numbered now: a later stream at its address is another one. (One
+    // seen before keeps its number, so a stream at the address of a destroyed one that the block
+    // saw is taken for neither, and the free synchronises the device.)
     users_.push_back(stream);
-    user_serials_.push_back(serial);
+    user_serials_.push_back(owned_stream_serial(stream));
   }
   if (stream == cudaStreamPerThread) {
     // The handle means this thread's stream: which thread it was decides the free's ordering.
