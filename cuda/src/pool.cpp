@@ -308,8 +308,8 @@ void DevicePool::freed() noexcept {
 PooledAllocation::PooledAllocation(std::shared_ptr<DevicePool> pool, int device, void* ptr, int64_t bytes,
                                    cudaStream_t first)
     : DeviceAllocation(Borrowed{}, device, ptr, bytes), pool_(std::move(pool)) {
-  users_.push_back(first);
   user_serials_.push_back(owned_stream_serial(first));
+  users_.push_back(first);
   if (first == cudaStreamPerThread) per_thread_users_.push_back(this_thread_serial());
 }
 
@@ -337,8 +337,9 @@ void PooledAllocation::note_use(cudaStream_t stream) {
     // A stream first seen now is numbered now: a later stream at its address is another one. (One
     // seen before keeps its number, so a stream at the address of a destroyed one that the block
     // saw is taken for neither, and the free synchronises the device.)
-    users_.push_back(stream);
+    // (The number first: were the second push to fail, the two lists would still pair up.)
     user_serials_.push_back(owned_stream_serial(stream));
+    users_.push_back(stream);
   }
   if (stream == cudaStreamPerThread) {
     // The handle means this thread's stream: which thread it was decides the free's ordering.
