@@ -891,12 +891,15 @@ def test_pool_block_is_not_reused_while_a_consumer_stream_reads_it(torch, ctx):
     # would wait for the side stream here.
     pool = ctx.memory_pool
     side = torch.cuda.ExternalStream(ctx.comm_stream.handle)
+    # Garbage of earlier tests first: a block among it with a use the pool cannot order by an
+    # event would be freed after a device-wide synchronisation, which would wait out the sleep.
+    gc.collect()
     x = inferctx._core._empty(0, (1 << 18,), "float32")
     torch.from_dlpack(x).fill_(1.0)
     y, _ = inferctx.dropout(x, 0.0, mask=None)
     y_ptr = y.ptr
     with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)  # about 50 ms: far past gc.collect and the calls below
+        torch.cuda._sleep(400_000_000)  # about 200 ms: far past gc.collect and the calls below
         t = torch.from_dlpack(y)  # consumer: the side stream (noted in the export)
         total = t.sum()
     del t, y

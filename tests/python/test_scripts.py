@@ -155,7 +155,7 @@ done
 """,
     "ctest": r"""
 printf 'ctest %s | SANITIZE=%s LSAN_OPTIONS=%s\n' "$*" "${INFERCTX_SANITIZE:-}" "${LSAN_OPTIONS:-}" >>"$CALLS"
-[ "${CTEST_RC:-0}" = 0 ] && { echo "100% tests passed, 0 tests failed out of 3"; exit 0; }
+[ "${CTEST_RC:-0}" = 0 ] && { echo "100% tests passed out of 3"; exit 0; }
 echo "15 cases, 2 failed checks"; echo "67% tests passed, 1 tests failed out of 3"; exit 8
 """,
     "compute-sanitizer": r"""
@@ -227,7 +227,7 @@ def test_any_machine_gpu_suite_reads_this_runs_output_only(stand_ins):
     first run's; a killed fault-injection run shows none either, not a line of its build."""
     first = stand_ins("gpu-suite")
     assert first.returncode == 0, (first.stdout, first.stderr)
-    assert first.summary.splitlines()[-2:] == ["100% tests passed, 0 tests failed out of 3", "3 passed in 0.10s"]
+    assert first.summary.splitlines()[-2:] == ["100% tests passed out of 3", "3 passed in 0.10s"]
     again = stand_ins("gpu-suite", "tests", PYTEST="killed")
     assert again.returncode == 1
     assert again.summary.splitlines()[0].startswith("tests rc=137 ")
