@@ -140,29 +140,6 @@ int64_t span_bytes(const char* argument, const int64_t* sizes, const int64_t* st
   return bytes;
 }
 
-// Whether no two index tuples of an array of N sizes (each > 0) and element strides (each >= 0,
-// the array's span already checked to fit in int64) name one element. Sufficient, not necessary:
-// sorted by stride, each dimension of more than one index steps past everything the dimensions
-// with smaller strides reach, as every layout made by slicing and permuting a dense array does.
-template <int N>
-bool elements_distinct(const int64_t (&sizes)[N], const int64_t (&strides)[N]) {
-  int order[N];
-  int used = 0;
-  for (int k = 0; k < N; ++k) {
-    if (sizes[k] == 1) continue;
-    int at = used++;
-    for (; at > 0 && strides[order[at - 1]] > strides[k]; --at) order[at] = order[at - 1];
-    order[at] = k;
-  }
-  int64_t reach = 1;  // from the first element to one past the last, over the dimensions so far
-  for (int u = 0; u < used; ++u) {
-    const int k = order[u];
-    if (strides[k] < reach) return false;
-    reach += (sizes[k] - 1) * strides[k];
-  }
-  return true;
-}
-
 unsigned blocks_for(int64_t work) {
   int64_t blocks = (work + kThreads - 1) / kThreads;
   if (blocks > kMaxBlocks) blocks = kMaxBlocks;
@@ -263,7 +240,7 @@ void rope_apply(const void* src, void* dst, const void* cos, const void* sin, in
   const int64_t out = span_bytes("dst_strides", sizes, ds, 4, elem);
   const int64_t table = span_bytes("cs_token_stride", table_sizes, table_strides, 2, elem);
   // Two threads writing one element of dst would leave either's value there.
-  if (!elements_distinct(sizes, ds))
+  if (!detail::elements_distinct(sizes, ds, 4))
     invalid("dst_strides", "got (" + std::to_string(dst_strides[0]) + ", " + std::to_string(dst_strides[1]) + ", " +
                                std::to_string(dst_strides[2]) + ") for dst [" + std::to_string(batch) + ", " +
                                std::to_string(tokens) + ", " + std::to_string(heads) + ", " +

@@ -7,6 +7,7 @@
 
 #include "inferctx/errors.hpp"
 #include "inferctx/gemm.hpp"
+#include "array_checks.hpp"
 #include "gemm_detail.hpp"
 
 namespace inferctx {
@@ -50,21 +51,10 @@ int64_t span_elements(const char* ld_field, const char* stride_field, Stored s, 
 }
 
 bool matrices_distinct(int64_t batch, int64_t rows, int64_t cols, int64_t ld, int64_t stride) {
-  if (batch <= 1 || rows == 0 || cols == 0) return true;
-  struct Dim {
-    int64_t stride, extent;
-  };
-  Dim dims[3] = {{1, cols}, {ld, rows}, {stride, batch}};
-  std::sort(dims, dims + 3, [](const Dim& x, const Dim& y) { return x.stride < y.stride; });
-  int64_t span = 0;
-  for (const Dim& d : dims) {
-    if (d.extent == 1) continue;
-    if (d.stride <= span) return false;
-    int64_t part = 0;
-    if (__builtin_mul_overflow(d.stride, d.extent - 1, &part) || __builtin_add_overflow(span, part, &span))
-      span = INT64_MAX;
-  }
-  return true;
+  if (batch <= 1) return true;
+  const int64_t sizes[3] = {batch, rows, cols};
+  const int64_t strides[3] = {stride, ld, 1};
+  return elements_distinct(sizes, strides, 3);
 }
 
 GemmProblem normalized(const GemmProblem& p) {
