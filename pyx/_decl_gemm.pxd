@@ -57,6 +57,7 @@ cdef extern from "inferctx/gemm.hpp" namespace "inferctx" nogil:
     GemmProblem packed_gemm_problem(int dtype, int64_t m, int64_t n, int64_t k, int64_t batch,
                                     bool trans_a, bool trans_b, bool tf32) except +raise_inferctx_error
     GemmProblem normalized_gemm_problem(const GemmProblem& problem)
+    int packed_operand_alignment(int64_t batch, int64_t stride, int64_t esize)
     GemmLayout gemm_layout(int ndim, bool trans_a, bool trans_b, const GemmOperand& a,
                            const GemmOperand& b, const GemmOperand* out) except +raise_inferctx_error
     void check_gemm_addresses(const GemmLayout& layout, uintptr_t a, uintptr_t b,

@@ -11,7 +11,8 @@ from libcpp.vector cimport vector as cpp_vector
 from inferctx._decl_gemm cimport (
     GemmCacheEntry, GemmLayout, GemmOperand, GemmProblem, GemmTuneOptions, GemmTuneResult,
     check_gemm_addresses, clear_gemm_cache, export_gemm_cache, gemm as cpp_gemm, gemm_layout,
-    import_gemm_cache, normalized_gemm_problem, packed_gemm_problem, tune_gemm)
+    import_gemm_cache, normalized_gemm_problem, packed_gemm_problem, packed_operand_alignment,
+    tune_gemm)
 from inferctx._decl_gpu cimport CppInferenceContext, cudaStream_t
 
 
@@ -290,6 +291,15 @@ def _gemm_packed_problem(int dtype, int64_t m, int64_t n, int64_t k, int64_t bat
     dict: what autotune_gemm tunes for a shape, and what a contiguous call of it runs."""
     return _problem_dict(normalized_gemm_problem(
         packed_gemm_problem(dtype, m, n, k, batch, trans_a, trans_b, tf32)))
+
+
+def _gemm_packed_alignments(int64_t batch, int64_t stride_a, int64_t stride_b, int64_t stride_c,
+                            int64_t itemsize):
+    """The alignments (bytes) the algorithm cache records for a, b and c of a packed problem
+    (inferctx::packed_operand_alignment), as autotune_gemm's tuner records them."""
+    return (packed_operand_alignment(batch, stride_a, itemsize),
+            packed_operand_alignment(batch, stride_b, itemsize),
+            packed_operand_alignment(batch, stride_c, itemsize))
 
 
 def _gemm_tune(InferenceContext ctx, int dtype, bint trans_a, bint trans_b, int64_t m, int64_t n,

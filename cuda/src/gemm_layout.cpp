@@ -136,6 +136,10 @@ bool side_by_side(const GemmSpan& in, uintptr_t in_ptr, const GemmSpan& c, uintp
 
 GemmProblem normalized_gemm_problem(const GemmProblem& problem) { return normalized(problem); }
 
+int packed_operand_alignment(int64_t batch, int64_t stride, int64_t esize) {
+  return alignment_of(nullptr, batch, stride, esize);
+}
+
 GemmLayout gemm_layout(int ndim, bool trans_a, bool trans_b, const GemmOperand& a, const GemmOperand& b,
                        const GemmOperand* out) {
   if (ndim != 2 && ndim != 3) reject("ndim", "got " + str(ndim) + "; valid: 2 (gemm) or 3 (a batch)");

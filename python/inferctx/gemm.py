@@ -429,11 +429,7 @@ def _tuned_problems(device):
 
 
 def _packed_alignments(problem, itemsize):
-    """The alignments (bytes) the tuner records for a packed problem: 256, the most the cache
-    tells apart (its operands are pool blocks, aligned to more), lowered for a batch by the
-    batch stride's bytes, as every matrix after the first starts that far on."""
-    aligns = []
-    for stride in (problem["stride_a"], problem["stride_b"], problem["stride_c"]):
-        bits = 256 | (stride * itemsize if problem["batch"] > 1 else 0)
-        aligns.append(bits & -bits)
-    return tuple(aligns)
+    """The alignments (bytes) the tuner records for a packed problem (a `_gemm_packed_problem`
+    dict), as the algorithm cache keys them."""
+    return _core._gemm_packed_alignments(problem["batch"], problem["stride_a"], problem["stride_b"],
+                                         problem["stride_c"], itemsize)

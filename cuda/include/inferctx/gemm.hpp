@@ -89,6 +89,11 @@ void check_gemm_addresses(const GemmLayout& layout, uintptr_t a, uintptr_t b, ui
 // Float32, batch strides 0 without a batch.
 GemmProblem normalized_gemm_problem(const GemmProblem& problem);
 
+// The alignment (bytes) the algorithm cache records for an operand whose first matrix is at
+// least 256-byte aligned (a pool block, as the tuner's are): 256, lowered for a batch by the
+// batch stride's bytes (every matrix after the first starts that far on).
+int packed_operand_alignment(int64_t batch, int64_t stride, int64_t esize);
+
 // Queues the product on `stream`, on the handle's device (made current for the call; the
 // caller's current device is the same afterwards). nullptr, the legacy default stream, is
 // refused with ConfigError("stream") as everywhere in inferctx (pass cudaStreamLegacy to mean
