@@ -43,6 +43,12 @@ cdef enum:
 cdef object _torch_tensor = None       # torch.Tensor, once torch is imported (with CUDA)
 cdef object _torch_raw_stream = None   # torch._C._cuda_getCurrentRawStream
 cdef object _torch_empty_like = None
+# torch._C._dynamo.guards._empty_strided_cuda(sizes, strides, dtype): a tensor on the current
+# device from torch's caching allocator without torch's argument parser and dispatcher (what
+# torch's own compiled code allocates with), and torch._C._cuda_getDevice; None where this torch
+# lacks either (Tensor.new_empty is used then).
+cdef object _torch_empty_strided = None
+cdef object _torch_current_device = None
 cdef dict _torch_to_dt = None          # torch dtype -> dtype table index
 cdef dict _dt_to_torch = None
 cdef object _cupy = None
@@ -61,6 +67,7 @@ cdef int _refresh_packages() except -1:
     module), and torch's caches are set together, only from a module that has all they take: a
     call never finds some of them set and torch.Tensor's still None."""
     global _torch_tensor, _torch_raw_stream, _torch_empty_like, _torch_to_dt
+    global _torch_empty_strided, _torch_current_device
     global _dt_to_torch, _cupy, _cupy_ndarray, _modules_seen
     cdef Py_ssize_t modules = len(_sys.modules)
     if modules == _modules_seen:
@@ -76,7 +83,8 @@ cdef int _refresh_packages() except -1:
                 # has these), or another module of that name.
                 settled = not getattr(getattr(torch, "__spec__", None), "_initializing", False)
             else:
-                raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+                torch_c = getattr(torch, "_C", None)
+                raw = getattr(torch_c, "_cuda_getCurrentRawStream", None)
                 if raw is not None:  # a CPU-only build of torch has no CUDA streams
                     pairs = [("float32", DT_FLOAT32), ("float16", DT_FLOAT16),
                              ("bfloat16", DT_BFLOAT16), ("float64", DT_FLOAT64), ("int8", DT_INT8),
@@ -90,8 +98,15 @@ cdef int _refresh_packages() except -1:
                         if t is not None:
                             to_dt[t] = dt
                             from_dt[dt] = t
+                    empty_strided = getattr(getattr(getattr(torch_c, "_dynamo", None), "guards", None),
+                                            "_empty_strided_cuda", None)
+                    current_device = getattr(torch_c, "_cuda_getDevice", None)
+                    if empty_strided is None or current_device is None:
+                        empty_strided = current_device = None
                     # From here to the last assignment nothing runs Python code: no other thread
                     # sees part of them.
+                    _torch_empty_strided = empty_strided
+                    _torch_current_device = current_device
                     _torch_to_dt = to_dt
                     _dt_to_torch = from_dt
                     _torch_raw_stream = raw

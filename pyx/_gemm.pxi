@@ -20,6 +20,7 @@ cdef class _GemmLayout:
     """A worked-out inferctx::GemmLayout."""
     cdef GemmLayout c
     cdef tuple out_shape
+    cdef tuple out_strides  # a new result's: packed row-major, as torch lays out a new tensor
     # Some operand has every stride of its dimensions longer than 1 even, as a torch view with
     # the negative bit (z.conj().imag: strides twice the complex ones) has: the torch fast path
     # asks such operands is_neg(), which the general path refuses.
@@ -64,7 +65,19 @@ cdef _GemmLayout _new_gemm_layout(int ndim, bint trans_a, bint trans_b, GemmOper
     cdef _GemmLayout layout = _GemmLayout.__new__(_GemmLayout)
     layout.c = gemm_layout(ndim, trans_a, trans_b, a[0], b[0], out)
     layout.out_shape = tuple(layout.c.out_shape)
+    layout.out_strides = _packed_strides(layout.out_shape)
     return layout
+
+
+cdef tuple _packed_strides(tuple shape):
+    """Row-major strides of `shape` as torch gives a new tensor: a dimension of size 0 counts
+    as 1 (torch.empty(3, 0).stride() is (1, 1))."""
+    strides = []
+    cdef Py_ssize_t step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(<Py_ssize_t>n, 1)
+    return tuple(reversed(strides))
 
 
 cdef _GemmLayout _gemm_layout_of(int ndim, bint trans_a, bint trans_b, CudaArray a, CudaArray b,
@@ -234,9 +247,16 @@ cdef object _torch_product(int ndim, a, b, out, trans_a, trans_b, alpha, beta, c
     if layout.may_be_negated and (a.is_neg() or b.is_neg() or (out is not None and out.is_neg())):
         return NotImplemented  # the general path says what is wrong
     if out is None:
-        # Sizes as separate ints: torch parses them faster than one tuple (about a third of
-        # new_empty's cost on the host); out_shape has two or three.
-        out = a.new_empty(*layout.out_shape)
+        if (_torch_empty_strided is not None and type(a) is _torch_tensor
+                and _torch_current_device() == device):
+            # torch's caching allocator on the current device (a's), without the argument
+            # parsing and dispatch of new_empty, whose host time it saves in part.
+            out = _torch_empty_strided(layout.out_shape, layout.out_strides, a.dtype)
+        else:
+            # A subclass of torch.Tensor makes its own result (its __torch_function__), and
+            # another device's is made there. Sizes as separate ints: torch parses them faster
+            # than one tuple; out_shape has two or three.
+            out = a.new_empty(*layout.out_shape)
     cdef uintptr_t stream = _package_stream(PKG_TORCH, device)
     _run_gemm(context, stream, layout, a.data_ptr(), b.data_ptr(), out.data_ptr(), alpha, beta, tf32)
     return out

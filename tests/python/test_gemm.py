@@ -653,6 +653,34 @@ def test_gpu_k_zero_and_empty(ctx):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shapes", [((3, 4), (4, 5)), ((0, 4), (4, 3)), ((3, 4), (4, 0)),
+                                    ((5, 0), (0, 7)), ((2, 3, 4), (2, 4, 5)),
+                                    ((1, 3, 4), (2, 4, 5)), ((2, 0, 4), (2, 4, 5))])
+def test_gpu_new_results_are_laid_out_as_torch_matmuls(shapes):
+    """A result without out=, from the general path (the signature's first call) and from the
+    torch fast path (the next ones, whose allocator differs): a plain torch.Tensor on the
+    operands' device with torch.matmul's shape, strides, dtype and bits."""
+    torch = _torch()
+    shape_a, shape_b = shapes
+    a, b = _rand(shape_a, "bfloat16"), _rand(shape_b, "bfloat16")
+    call = gm.gemm if len(shape_a) == 2 else gm.bmm
+    want = torch.matmul(a, b)
+    for _ in range(3):
+        got = call(a, b)
+        assert type(got) is torch.Tensor and not got.requires_grad
+        assert (got.shape, got.stride(), got.dtype, got.device) == (
+            want.shape, want.stride(), want.dtype, want.device)
+        assert torch.equal(got, want)
+    # A subclass of torch.Tensor keeps making its result through its own new_empty.
+    class Marked(torch.Tensor):
+        pass
+
+    for _ in range(2):
+        got = call(a.as_subclass(Marked), b)
+        assert type(got) is Marked and torch.equal(got.as_subclass(torch.Tensor), want)
+
+
+@pytest.mark.gpu
 def test_gpu_fp32_without_and_with_tf32(ctx):
     a, b = _rand((64, 4096), "float32"), _rand((4096, 64), "float32")
     ref = a.double() @ b.double()
