@@ -20,7 +20,12 @@ among enough copies to exceed L2 for small shapes; the first result of each libr
 output poisoned with NaN before the call) is compared with the other's. Prints a compact
 table last; --json writes every figure.
 
-    python bench/gemm.py [--json out.json] [--quick] [--no-tune]
+With --host-only, only the host times, with two allocation-only rows beside them: torch's
+`Tensor.new_empty` and `torch._C._dynamo.guards._empty_strided_cuda` (what the compiled torch
+path makes a plain result with, where torch has it) of the same result, so that the share of the
+plain call's host time that is the allocation shows.
+
+    python bench/gemm.py [--json out.json] [--quick] [--no-tune] [--host-only]
 """
 
 from __future__ import annotations
@@ -229,7 +234,11 @@ def main(argv=None):
     parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--no-tune", action="store_true", help="skip autotuning")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the host times, with the allocation alone beside them")
     args = parser.parse_args(argv)
+    if args.host_only:
+        args.no_tune = True
 
     device = 0
     torch.cuda.set_device(device)
@@ -242,7 +251,7 @@ def main(argv=None):
         ctx = _core.InferenceContext.instance(device)
         G.clear_gemm_cache()
         warm_up_gpu(1.0 if args.quick else 3.0)
-        all_cases = cases()
+        all_cases = [] if args.host_only else cases()
         prepared = []
         for case in all_cases:
             a, b, c, sets = operand_sets(case, l2_bytes)
@@ -297,12 +306,17 @@ def main(argv=None):
             shape = f"{m}x{n}x{k}"
             # The four timed in turns (bench/_host_timing.py), so a drift of the host's speed
             # falls on all of them alike; each plain result is dropped at once, as in a loop.
-            host[shape] = host_us_interleaved(torch, {
+            fns = {
                 "torch.matmul": lambda: torch.matmul(a, b),
                 "inferctx.gemm": lambda: G.gemm(a, b),
                 "torch.matmul(out=)": lambda: torch.matmul(a, b, out=c),
                 "inferctx.gemm(out=)": lambda: G.gemm(a, b, out=c),
-            }, calls=100, reps=21, slack_us=60.0)
+            }
+            if args.host_only:
+                fns["new_empty"] = lambda: a.new_empty(m, n)
+                if EMPTY_STRIDED is not None:
+                    fns["_empty_strided_cuda"] = lambda: EMPTY_STRIDED((m, n), (n, 1), a.dtype)
+            host[shape] = host_us_interleaved(torch, fns, calls=100, reps=21, slack_us=60.0)
         # Whether the plain call takes the compiled torch path (it returns NotImplemented otherwise).
         fast_path = _core._torch_gemm(2, a, b, None, False, False, 1.0, 0.0, None, False) is not NotImplemented
 
@@ -317,10 +331,15 @@ def main(argv=None):
 
 
 HOST_SHAPES = [(1, 4096, 4096), (8, 1024, 1024), (64, 64, 64)]
+EMPTY_STRIDED = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None),
+                        "_empty_strided_cuda", None)
 
 
 def report(results, host, props, args, fast_path):
     tuned = not args.no_tune
+    if args.host_only:
+        report_host(host, fast_path)
+        return
     print()
     print(f"GEMM, inferctx vs torch.matmul (out=), {props.name}, torch {torch.__version__}; "
           f"median device time per call")
@@ -362,6 +381,10 @@ def report(results, host, props, args, fast_path):
         geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
         print(f"tuned/torch: geometric mean {geomean:.3f} (target <= 0.99), worst {max(ratios):.3f}: "
               f"{'PASS' if geomean <= 0.99 else 'MISS'}")
+    report_host(host, fast_path)
+
+
+def report_host(host, fast_path):
     print(f"host time per call, bf16 (torch fast path {'on' if fast_path else 'OFF'}):")
     for shape, h in host.items():
         plain, plain_t = h["inferctx.gemm"], h["torch.matmul"]
@@ -369,6 +392,11 @@ def report(results, host, props, args, fast_path):
         print(f"  {shape:14s} gemm(a, b) {plain:6.2f} us vs torch.matmul {plain_t:6.2f} us "
               f"({plain / plain_t:.2f}x, target <= 1.0: {'PASS' if plain <= plain_t else 'MISS'}); "
               f"out=: {o:6.2f} vs {t:6.2f} us ({o / t:.2f}x)")
+        if "new_empty" in h:
+            fast = h.get("_empty_strided_cuda")
+            print(f"  {'':14s} the result alone: new_empty {h['new_empty']:6.2f} us"
+                  + (f", _empty_strided_cuda {fast:6.2f} us" if fast is not None else
+                     ", _empty_strided_cuda not in this torch"))
 
 
 if __name__ == "__main__":
