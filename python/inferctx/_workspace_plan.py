@@ -271,10 +271,18 @@ class WorkspacePlan:
         return (f"WorkspacePlan(max_tokens={self.max_tokens}, workspace_bytes={self.workspace_bytes}, "
                 f"policy={self.policy!r}, dtype={self.dtype!r}, bound_by={self.bound_by!r})")
 
+    def _deepspeed_temp_note(self) -> str:
+        """Under the deepspeed policy the budget is free - (reserve + DeepSpeed's temp term, an
+        element count it adds to the bytes): that term, for a budget set by the reserve."""
+        extra = self.planned_free_bytes - self.reserve_bytes - self.budget_bytes
+        if self.policy != "deepspeed" or self.budget_limit != "reserve" or self.budget_bytes <= 0 or extra <= 0:
+            return ""
+        return f" - DeepSpeed's temp term {human_bytes(extra)}"
+
     def __str__(self) -> str:
         s = self.shape
         kv_note = f"{s.num_kv_heads} KV" if s.num_kv_heads != s.num_heads else "MHA"
-        why = {"reserve": f"free - reserve {human_bytes(self.reserve_bytes)}",
+        why = {"reserve": f"free - reserve {human_bytes(self.reserve_bytes)}" + self._deepspeed_temp_note(),
                "memory_limit": "memory_limit_bytes",
                "memory_fraction": f"memory_fraction={self._fields['memory_fraction']} of free"}
         bound = ("max_out_tokens" if self.bound_by == "max_out_tokens"
@@ -283,8 +291,12 @@ class WorkspacePlan:
             weights = f"{human_bytes(self.weights_bytes)} still to load ({self.weights_source})"
             planned = f"{human_bytes(self.planned_free_bytes)} free after the weights"
         else:
-            weights = ("none counted: free memory is taken as read with the weights already loaded"
-                       if self.weights_source == "none" else self.weights_source)
+            if self.weights_source != "none":
+                weights = self.weights_source
+            elif self.memory_source.startswith("GPU preset"):  # nothing was read: a card's whole memory
+                weights = "none counted: they live elsewhere"
+            else:
+                weights = "none counted: free memory is taken as read with the weights already loaded"
             planned = f"{human_bytes(self.planned_free_bytes)} free"
         lines = [
             f"inferctx workspace plan  (policy {self.policy}, {self.dtype})",

@@ -197,10 +197,17 @@ def _cli_terms(message: str, shape_names: Collection[str] = ()) -> str:
 
     def rename(m: re.Match[str]) -> str:
         name = m.group(1)
-        follows = message[m.end():m.end() + 1]
+        follows = m.string[m.end():m.end() + 1]
         return names[name] if "_" in name or follows in (":", "=") else name
 
-    return _clip_words(pattern.sub(rename, message))
+    # The odd pieces are values quoted as the user typed them ('prompt_len' given to --dtype):
+    # they are echoed unchanged.
+    pieces = _QUOTED.split(message)
+    return _clip_words("".join(piece if i % 2 else pattern.sub(rename, piece) for i, piece in enumerate(pieces)))
+
+
+# A quoted value in a message, as repr() quotes it; an apostrophe inside a word (the card's) starts none.
+_QUOTED = re.compile(r"""(?<!\w)('(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")(?!\w)""")
 
 
 # -- plan ------------------------------------------------------------------------------------
@@ -345,11 +352,20 @@ def _sweep(shape: ModelShape, kw: dict[str, Any], n: int, as_json: bool, plot: s
     fits = True
     for b in range(1, n + 1):
         if fits:  # a larger batch never holds more tokens: after the first miss, none fits
+            request = {**kw, "batch_size": b}
             try:
-                p = plan_workspace(shape, **{**kw, "batch_size": b})
+                p = plan_workspace(shape, **request)
                 rows.append((b, p.max_tokens, p.workspace_bytes, p.bound_by))
                 continue
             except WorkspaceOOMError:
+                if b == 1:  # nothing fits: the planner's reason and hints, not a table of misses
+                    _first_fit_prefixed("--sweep-batch: not even a batch of 1 fits", shape, request)
+                fits = False
+            except ConfigError:
+                if b == 1:
+                    raise
+                # Only the batch changed since the last row: its byte count passes 2**63, which no
+                # device holds.
                 fits = False
         rows.append((b, 0, 0, "does not fit"))
     if as_json:
@@ -419,7 +435,7 @@ _TOKEN_FLAGS = (("--prompt-len", "prompt_len"), ("--min-tokens", "min_out_tokens
 def _budget(p: WorkspacePlan, fraction: float | None) -> str:
     """A plan's budget and what set it, in the command's terms."""
     free = f"free {human_bytes(p.planned_free_bytes)}" + (" after the weights" if p.weights_bytes else "")
-    why = {"reserve": f"{free} - reserve {human_bytes(p.reserve_bytes)}",
+    why = {"reserve": f"{free} - reserve {human_bytes(p.reserve_bytes)}{p._deepspeed_temp_note()}",
            "memory_limit": "--memory-limit-gb",
            "memory_fraction": f"--memory-fraction {fraction} of {free}"}
     return f"a budget of {human_bytes(p.budget_bytes)} ({why.get(p.budget_limit, p.budget_limit)})"
@@ -603,6 +619,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape_names: set[str] = set()
     try:
         code = _command(parser, argv, shape_names)
+        if sys.stdout is None:  # started with descriptor 1 closed: print() dropped the output
+            if code == 0:
+                print("inferctx: could not write the output: standard output is closed", file=sys.stderr)
+                return 2
+            return code
         sys.stdout.flush()  # a failed write shows here, where it is handled, not at the exit's flush
         return code
     except _UsageError as exc:

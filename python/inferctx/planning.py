@@ -118,6 +118,7 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
     if device is not None:
         _as_int(device, "device", minimum=0)
     _plan._check(fields)  # argument errors before any device is read
+    _check_given_memory(fields, free_given=free_bytes is not None, total_given=total_bytes is not None)
     if weights_bytes == "auto":
         if s.num_params is None:
             raise ConfigError("weights_bytes: 'auto' needs the model's parameter count: use a preset or "
@@ -137,6 +138,22 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
         fields["total_bytes"] = dev_total if total_bytes is None else fields["total_bytes"]
         notes.setdefault("memory", "device " + ("current" if device is None else str(device)) + ", read now")
     return fields, notes
+
+
+def _check_given_memory(fields: dict[str, Any], *, free_given: bool, total_given: bool) -> None:
+    """The ranges of the memory figures given (the planner's own words), before a device is read
+    for one that was not: a wrong figure is named, not a missing device. free_bytes above
+    total_bytes is left to the planner, which knows both once the device is read."""
+    if fields["weights_bytes"] < 0:
+        raise ConfigError(f"weights_bytes: got {fields['weights_bytes']}; it must be a byte count >= 0",
+                          argument="weights_bytes")
+    if total_given and fields["total_bytes"] <= 0:
+        raise ConfigError(f"total_bytes: got {fields['total_bytes']}; it must be a positive byte count",
+                          argument="total_bytes")
+    if free_given and fields["free_bytes"] < 0:
+        bound = f"total_bytes={fields['total_bytes']}" if total_given else "total_bytes"
+        raise ConfigError(f"free_bytes: got {fields['free_bytes']}; it must be in [0, {bound}]",
+                          argument="free_bytes")
 
 
 def _as_weights(value: object) -> int | str | None:

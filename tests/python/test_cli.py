@@ -649,3 +649,95 @@ def test_preset_shapes_are_what_the_cli_plans(capsys):
     # Gemma-7B's config.json: 28 layers, 16 heads of 256 (16 KV heads), hidden 3072
     assert code == 0 and (d["num_layers"], d["num_heads"], d["num_kv_heads"], d["head_dim"], d["hidden_dim"]) == (
         s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, s.hidden_dim) == (28, 16, 16, 256, 3072)
+
+
+def test_a_closed_stdout_is_one_line_exit_2():
+    # `inferctx plan ... >&-`: Python starts with sys.stdout None and print() writes nothing; the
+    # output is lost, so one line on stderr and exit 2, as for any failed write, no traceback.
+    # A usage error says its own line, as with stdout open.
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for argv, line in ((["presets"], "inferctx: could not write the output: standard output is closed\n"),
+                       (["plan", "--preset", "llama-2-7b", "--gpu", "h200"],
+                        "inferctx: could not write the output: standard output is closed\n"),
+                       (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "0"],
+                        "inferctx: error: --batch: got 0; it must be >= 1\n")):
+        done = subprocess.run([sys.executable, "-m", "inferctx", *argv], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=120,
+                              preexec_fn=lambda: os.close(1))
+        assert done.returncode == 2 and done.stderr == line, (argv, done.stderr)
+
+
+def test_sweep_where_not_even_a_batch_of_1_fits_says_why(capsys):
+    # Llama-2-70B's weights (68,976,648,192 x 2 B = 128.48 GiB) exceed an H100's 78.43 GiB free:
+    # the plain plan's reason and its --mp-size hint, not a table of misses and exit 0.
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-70b", "--gpu", "h100-80gb", "--sweep-batch", "3")
+    _, _, plain = run(capsys, "plan", "--preset", "llama-2-70b", "--gpu", "h100-80gb")
+    assert code == 2 and out == ""
+    assert plain.startswith("inferctx: WorkspaceOOMError: workspace does not fit: the weights (128.48 GiB)")
+    assert err == plain.replace("WorkspaceOOMError: ", "WorkspaceOOMError: --sweep-batch: not even a batch of 1 "
+                                "fits: ", 1)
+    assert "--mp-size=2 would put 64.24 GiB of weights on each GPU" in err
+
+
+def test_sweep_keeps_the_rows_that_fit_when_a_larger_batch_passes_2_to_the_63_bytes(capsys):
+    # 2e18 tokens of a one-layer model in 8e9 GiB: batches 1 and 2 plan (as their own plans do),
+    # batch 3's byte count passes 2**63, which no device holds: "does not fit" from there on, not
+    # an error about a --batch=3 the user never gave that throws away the rows that fit.
+    argv = ("plan", "--layers", "1", "--heads", "1", "--hidden", "1", "--free-gb", "8000000000",
+            "--max-tokens", "2000000000000000000")
+    code, out, err = run(capsys, *argv, "--sweep-batch", "4", "--json")
+    assert code == 0 and err == ""
+    rows = json.loads(out)
+    assert [r["batch_size"] for r in rows] == [1, 2, 3, 4]
+    for row in rows[:2]:
+        code, single, _ = run(capsys, *argv, "--batch", str(row["batch_size"]), "--json")
+        plan = json.loads(single)["plan"]
+        assert code == 0 and row["max_tokens"] > 0 and row["bound_by"] == "memory"
+        assert (row["max_tokens"], row["workspace_bytes"]) == (plan["max_tokens"], plan["workspace_bytes"])
+    assert [(r["max_tokens"], r["workspace_bytes"], r["bound_by"]) for r in rows[2:]] == [(0, 0, "does not fit")] * 2
+    code, _, err = run(capsys, *argv, "--batch", "3")
+    assert code == 2 and "overflow 64 bits" in err
+
+
+def test_an_echoed_value_is_not_renamed_as_a_keyword(capsys):
+    # The CLI names keywords as flags (prompt_len -> --prompt-len) but not inside the value the
+    # user typed.
+    for argv, needle in ((("--preset", "llama-2-7b", "--gpu", "h200", "--dtype", "prompt_len"),
+                          "inferctx: ConfigError: --dtype: got 'prompt_len'; valid: "),
+                         (("--preset", "max_out_tokens", "--gpu", "h200"),
+                          "inferctx: ConfigError: --preset: unknown model preset 'max_out_tokens'; valid: "),
+                         (("--preset", "llama-2-7b", "--gpu", "rank:"),
+                          "inferctx: ConfigError: --gpu: unknown GPU preset 'rank:'; valid: ")):
+        code, _, err = run(capsys, "plan", *argv)
+        assert code == 2 and err.startswith(needle), err
+
+
+def test_deepspeed_budget_names_the_temp_term_it_subtracts(capsys):
+    # DeepSpeed's minimum is the reserve (500 MiB) plus its temp term, batch x heads / mp x
+    # max_out_tokens = 64 x 32 x 100,000 = 204,800,000 elements added as bytes (195.31 MiB):
+    # 20 GiB - 524,288,000 - 204,800,000 = 20,745,748,480 B = 19.32 GiB.
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "20", "--batch", "64",
+                       "--max-tokens", "100000", "--policy", "deepspeed")
+    assert code == 0
+    assert ("  planned    against 20.00 GiB free; budget 19.32 GiB (free - reserve 500.00 MiB - DeepSpeed's "
+            "temp term 195.31 MiB)\n") in out
+    p = plan_workspace("llama-2-7b", batch_size=64, prompt_len=1, max_out_tokens=100_000, policy="deepspeed",
+                       free_bytes=20 * GIB, total_bytes=20 * GIB)
+    assert p.budget_bytes == 20 * GIB - 500 * MIB - 204_800_000 == 20_745_748_480
+    # The exact policy has no such term.
+    _, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "20", "--batch", "64",
+                    "--max-tokens", "100000")
+    assert "budget 19.51 GiB (free - reserve 500.00 MiB)\n" in out
+
+
+def test_no_weights_with_a_gpu_preset_say_they_live_elsewhere(capsys):
+    # Nothing is read from a device with --gpu: the weights counted as 0 live elsewhere; with
+    # --free-gb, free memory as given already excludes them.
+    for flags, line in ((("--gpu", "h200", "--weights", "none"), "  weights    none counted: they live elsewhere\n"),
+                        (("--gpu", "h200", "--weights-gb", "0"), "  weights    none counted: they live elsewhere\n"),
+                        (("--free-gb", "20", "--weights", "none"),
+                         "  weights    none counted: free memory is taken as read with the weights already loaded\n")):
+        code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", *flags)
+        assert code == 0 and line in out, (flags, out)

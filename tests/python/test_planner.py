@@ -341,6 +341,35 @@ def test_no_device_says_which_memory_figure_is_missing(monkeypatch, given, messa
     assert (info.value.call, info.value.name) == ("cudaGetDeviceCount", "cudaErrorNoDevice")
 
 
+@pytest.mark.parametrize("given,argument,message", [
+    (dict(weights_bytes=-1), "weights_bytes", "weights_bytes: got -1; it must be a byte count >= 0"),
+    (dict(gpu="h200", weights_bytes=-5), "weights_bytes", "weights_bytes: got -5; it must be a byte count >= 0"),
+    (dict(free_bytes=-1), "free_bytes", "free_bytes: got -1; it must be in [0, total_bytes]"),
+    (dict(total_bytes=0), "total_bytes", "total_bytes: got 0; it must be a positive byte count"),
+    (dict(total_bytes=-3, free_bytes=1), "total_bytes", "total_bytes: got -3; it must be a positive byte count"),
+    (dict(free_bytes=-1, total_bytes=10 ** 10), "free_bytes",
+     "free_bytes: got -1; it must be in [0, total_bytes=10000000000]"),
+    (dict(free_bytes=10 ** 11, total_bytes=10 ** 10), "free_bytes",
+     "free_bytes: got 100000000000; it must be in [0, total_bytes=10000000000]"),
+])
+@pytest.mark.parametrize("call", ["plan_workspace", "max_batch_size", "max_out_tokens_for"])
+def test_a_wrong_memory_figure_is_named_before_a_device_is_read(monkeypatch, given, argument, message, call):
+    # The figures given are checked first, whether or not the other is to be read from a device:
+    # a ConfigError naming the figure, the planner's words, and no device read (which would say
+    # "no CUDA device" on a machine without one).
+    from inferctx import planning
+
+    def read(device):
+        raise AssertionError("the device was read")
+
+    monkeypatch.setattr(planning, "_device_memory", read)
+    kwargs = dict(batch_size=1, prompt_len=1, max_out_tokens=16, **given)
+    kwargs.pop({"max_batch_size": "batch_size", "max_out_tokens_for": "max_out_tokens"}.get(call, ""), None)
+    with pytest.raises(ConfigError) as info:
+        getattr(planning, call)("llama-2-7b", **kwargs)
+    assert (info.value.argument, str(info.value)) == (argument, message)
+
+
 def test_no_device_message_has_one_full_stop_between_sentences():
     from conftest import gpu_available
 
