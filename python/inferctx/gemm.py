@@ -58,7 +58,8 @@ import json
 import logging
 import numbers
 import os
-import tempfile
+import secrets
+import stat
 from typing import Any, Dict, Iterator, List
 
 from . import _core
@@ -118,7 +119,8 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
         Problems as ``(m, n, k)`` or ``(batch, m, n, k)`` tuples: ``op(a)`` is m x k, ``op(b)``
         k x n. Each is tuned for densely packed operands (what a contiguous tensor, or its
         transpose with the matching ``trans_*``, has); later ``gemm`` / ``bmm`` calls with that
-        problem on 256-byte aligned memory use the result.
+        problem on 256-byte aligned memory, on the device tuned on, use the result (the cache
+        keys its entries by device: entries tuned on cuda:0 do nothing for calls on cuda:1).
     dtype
         'float32', 'float16', 'bfloat16' (or a NumPy / torch dtype).
     trans_a, trans_b, tf32
@@ -252,16 +254,21 @@ def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
                                   f"pass merge=False to replace it", argument="path") from None
         entries += [e for e in kept if _identity(e) not in mine]
     document = {"format": _FORMAT, "version": _VERSION, "entries": entries}
-    directory = os.path.dirname(os.path.abspath(path))
+    # A link (to a file on shared storage, say) stays a link: the file it names is replaced.
+    target = os.path.realpath(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".gemm-cache-", suffix=".json", dir=directory)
+        fd, tmp = _new_file_beside(target)
     except OSError as exc:  # named by the user's path, not by the temporary file's
         raise type(exc)(exc.errno, exc.strerror, path) from None
     try:
+        try:  # the replaced file's permissions, so that a file others read stays readable
+            os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
+        except FileNotFoundError:
+            pass  # a new file: 0o666 less the umask, as the open made it
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(document, f, indent=1)
             f.write("\n")
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -269,6 +276,18 @@ def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
             pass
         raise
     return len(entries)
+
+
+def _new_file_beside(path: str) -> tuple[int, str]:
+    """A new file, open for writing, in path's folder under a name no other file has: made with
+    mode 0o666 less the umask, as open() makes a file (tempfile's are 0o600)."""
+    directory = os.path.dirname(path)
+    while True:
+        tmp = os.path.join(directory, f".gemm-cache-{secrets.token_hex(8)}.json")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
+        except FileExistsError:
+            continue
 
 
 def load_gemm_cache(path: Any) -> int:

@@ -453,6 +453,36 @@ def test_save_with_merge_checks_the_entries_it_keeps(tuner, tmp_path):
     assert missing.value.filename == str(tmp_path / "no-such-folder" / "gemm.json")  # the user's path
 
 
+def test_save_keeps_the_files_permissions_and_its_link(tuner, tmp_path):
+    # A cache file on shared storage is read by others: saving keeps its mode (0o644 here), a new
+    # file is made as open() makes one (0o666 less the umask, not tempfile's 0o600), and a link
+    # to it stays a link, the file it names replaced.
+    import os
+    import stat
+
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    old_umask = os.umask(0o022)
+    try:
+        new = tmp_path / "new.json"
+        assert gm.save_gemm_cache(new) == 1
+        assert stat.S_IMODE(new.stat().st_mode) == 0o644
+        shared = tmp_path / "shared.json"
+        shared.write_text('{"format": "inferctx-gemm-cache", "version": 1, "entries": []}')
+        shared.chmod(0o664)
+        assert gm.save_gemm_cache(shared) == 1
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o664
+        link = tmp_path / "link.json"
+        link.symlink_to(shared)
+        shared.chmod(0o640)
+        assert gm.save_gemm_cache(link, merge=False) == 1
+        assert link.is_symlink() and os.readlink(link) == str(shared)
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o640
+        assert gm.load_gemm_cache(link) == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "new.json", "shared.json"]
+    finally:
+        os.umask(old_umask)
+
+
 _COMPILED_IMPORT = _core._gemm_cache_import  # the tuner fixture stands in for it
 
 
