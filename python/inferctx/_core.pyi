@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Literal, Self
+from typing import Any, Literal, TypeVar
 
 from .planning import WorkspacePlan
 
@@ -127,12 +127,14 @@ class _PlanMade:
     @property
     def result(self) -> dict[str, Any]: ...
 
+_Ctx = TypeVar("_Ctx", bound="InferenceContext")
+
 class InferenceContext:
     # The compiled part; the public class (inferctx.context.InferenceContext) adds gen_workspace.
     @property
     def device(self) -> int: ...
     @classmethod
-    def instance(cls, device: int | None = None) -> Self: ...
+    def instance(cls: type[_Ctx], device: int | None = None) -> _Ctx: ...
     def _created(self, fallback_reason: str | None) -> None: ...
     @property
     def _workspace_lock(self) -> threading.Lock: ...

@@ -12,19 +12,32 @@ import pytest
 SCRIPT = Path(__file__).parent / "typing" / "user_script.py"
 
 
-def mypy(tmp_path, source):
+def mypy(tmp_path, source, *flags):
     pytest.importorskip("mypy", reason="mypy is in the test extra: pip install '.[test]'")
     script = tmp_path / "user_script.py"
     script.write_text(source)
     # run outside the repository, so that the installed package (with py.typed) is checked
-    return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(script)],
+    return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", *flags, str(script)],
                           capture_output=True, text=True, cwd=tmp_path)
 
 
-def test_user_script_passes_mypy_strict(tmp_path):
-    r = mypy(tmp_path, SCRIPT.read_text())
+@pytest.mark.parametrize("flags", [(), ("--python-version", "3.10")])
+def test_user_script_passes_mypy_strict(tmp_path, flags):
+    # Also as a user on Python 3.10 checks it (requires-python), whose typing has no Self.
+    r = mypy(tmp_path, SCRIPT.read_text(), *flags)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Success: no issues found" in r.stdout
+
+
+@pytest.mark.parametrize("flags", [(), ("--python-version", "3.10")])
+def test_the_context_instance_is_typed_on_every_supported_python(tmp_path, flags):
+    # InferenceContext.instance() is an InferenceContext, not Any, also for Python 3.10 (a stub
+    # that imported typing.Self made it Any there): into an int it is an error.
+    r = mypy(tmp_path, "import inferctx\n"
+                       "n: int = inferctx.InferenceContext.instance(0)\n", *flags)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert re.search(r'user_script\.py:2: error: Incompatible types in assignment \(expression has type '
+                     r'"InferenceContext", variable has type "int"\)', r.stdout), r.stdout
 
 
 def test_mypy_sees_wrong_uses(tmp_path):
