@@ -312,6 +312,60 @@ def test_cpu_context_gen_workspace_while_released_takes_the_workspace_back_first
     assert ctx.workspace.numel() * ctx.workspace.element_size() == large.workspace_bytes
 
 
+def test_cpu_retake_of_a_held_workspace_changes_nothing(cpu):
+    # As InferenceContext: retaking a workspace never released is nothing to do (it used to fill
+    # it with NaN bytes, and the steps after it picked token 0 from NaN logits without an error),
+    # and before any plan a WorkspaceStateError.
+    torch = cpu
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+
+    spec = model_spec("llama-tiny")
+    hf = build_hf_model(spec, seed=0)
+    with pytest.raises(inferctx.WorkspaceStateError, match=r"^retake_workspace: no workspace plan to retake: "
+                                                           r"call gen_workspace first$"):
+        CpuContext().retake_workspace()
+    dec = ReferenceDecoder(hf, batch_size=2, prompt_len=8, max_new_tokens=6, dtype="float32", ctx=CpuContext())
+    prompt = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
+    want = dec.generate(prompt).tokens
+    dec.prefill(prompt)
+    workspace = dec.ctx.workspace.clone()
+    dec.retake()
+    assert torch.equal(dec.ctx.workspace, workspace)
+    for _ in range(5):
+        dec.step()
+    assert torch.equal(dec.out_ids[:, 8:14], want)
+
+
+def test_cpu_step_is_bounded_by_the_decoders_own_position(cpu):
+    # The context's token counter is anyone's to reset; after a reset_tokens(0) on a full cache a
+    # step would write past the KV cache's last position (an IndexError here, an out-of-bounds
+    # write on a GPU). The decoder's own position stops it: TokenLimitError, nothing written,
+    # the counter untouched, and a new prefill works.
+    torch = cpu
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+
+    spec = model_spec("gpt2-tiny")
+    hf = build_hf_model(spec, seed=0)
+    ctx = CpuContext()
+    dec = ReferenceDecoder(hf, batch_size=2, prompt_len=4, max_new_tokens=3, dtype="float32", ctx=ctx)
+    prompt = torch.randint(0, spec.vocab_size, (2, 4), generator=torch.Generator().manual_seed(3))
+    dec.prefill(prompt)
+    for _ in range(3):
+        dec.step()
+    assert dec.max_tokens == 7 and int(dec.pos) == 7  # 4 + 3: every position written
+    ctx.reset_tokens(0)
+    workspace = ctx.workspace.clone()
+    for _ in range(2):
+        with pytest.raises(inferctx.TokenLimitError) as info:
+            dec.step()
+        assert str(info.value) == ("step: the KV cache is full: this decoder's sequences hold all 7 positions "
+                                   "(max_tokens); call prefill(prompt) or generate() for new ones")
+        assert (info.value.current, info.value.requested, info.value.limit) == (7, 1, 7)
+    assert torch.equal(ctx.workspace, workspace) and ctx.current_tokens == 0
+    assert torch.equal(dec.generate(prompt).tokens, ReferenceDecoder(
+        hf, batch_size=2, prompt_len=4, max_new_tokens=3, dtype="float32", ctx=CpuContext()).generate(prompt).tokens)
+
+
 def test_cpu_generate_checks_its_new_tokens_and_batch_before_anything_runs(cpu):
     torch = cpu
     from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec

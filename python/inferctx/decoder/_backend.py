@@ -239,6 +239,11 @@ class CpuContext:
             self._contents_epoch += 1
 
     def retake_workspace(self) -> bool:
+        # As InferenceContext: an error before any plan, nothing to do while the workspace is held.
+        if self._plan is None:
+            raise WorkspaceStateError("retake_workspace: no workspace plan to retake: call gen_workspace first")
+        if not self._released:
+            return True
         if self._saved is not None:
             self._ws.copy_(self._saved)
         else:

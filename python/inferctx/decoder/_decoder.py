@@ -159,6 +159,7 @@ class ReferenceDecoder:
         self._stream = _side_stream(self.device) if self.backend.on_gpu else None
         self._graph: Any = None
         self._prefilled = False
+        self._next = 0  # the KV-cache position the next step writes (the device's pos), on the host
         self._epoch = -1  # ctx._contents_epoch at the prefill: the KV cache is gone once it moves
         self._unbound = False  # views dropped by release() under the cudaMalloc fallback
         self._state_small()
@@ -454,6 +455,7 @@ class ReferenceDecoder:
             self.out_ids[:, n].copy_(self.tokens)
             self.pos.fill_(n)
         self._rows, self._length = rows, n
+        self._next = n
         self._prefilled = True
 
     def step(self, use_graph: bool | None = None) -> None:
@@ -472,6 +474,12 @@ class ReferenceDecoder:
         self._check_state("step")
         self._check_sequence("step")
         graph = self.use_graph if use_graph is None else bool(use_graph) and self.backend.on_gpu
+        if self._next >= self.max_tokens:
+            # The context's counter is shared (reset_tokens by anyone holding the context): this
+            # decoder's own position bounds its writes to the KV cache.
+            raise TokenLimitError(f"step: the KV cache is full: this decoder's sequences hold all {self.max_tokens} "
+                                  f"positions (max_tokens); call prefill(prompt) or generate() for new ones",
+                                  current=self._next, requested=1, limit=self.max_tokens)
         self.ctx.advance_tokens(1)  # raises TokenLimitError at max_token_length: nothing is launched
         with self._on_stream():
             if caller is not None and self._stream is not None:
@@ -482,6 +490,7 @@ class ReferenceDecoder:
                 self._run(1, decode=True)
                 if graph:
                     self._capture()
+        self._next += 1
 
     def _capture(self) -> None:
         """Captures the decode step (its state already advanced by the eager step just run, the
