@@ -205,15 +205,23 @@ def test_cpu_the_demo_words_a_plan_that_does_not_fit_in_its_flags(cpu):
     assert "max_new_tokens" not in words and "batch_size" not in words and "max_out_tokens" not in words
 
 
-def test_cpu_token_limit_batch_and_release(cpu):
-    torch = cpu
+def _cpu_decoder(torch, arch, prompt_len, max_new_tokens, prompt_seed):
+    """A float32 ReferenceDecoder of a tiny model (weights of seed 0) on its own CpuContext, batch
+    2, and a prompt of 2 x prompt_len ids: (decoder, context, prompt, the Hugging Face model)."""
     from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
 
-    spec = model_spec("llama-tiny")
+    spec = model_spec(arch)
     hf = build_hf_model(spec, seed=0)
     ctx = CpuContext()
-    dec = ReferenceDecoder(hf, batch_size=2, prompt_len=8, max_new_tokens=6, dtype="float32", ctx=ctx)
-    prompt = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
+    dec = ReferenceDecoder(hf, batch_size=2, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                           dtype="float32", ctx=ctx)
+    prompt = torch.randint(0, spec.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_seed))
+    return dec, ctx, prompt, hf
+
+
+def test_cpu_token_limit_batch_and_release(cpu):
+    torch = cpu
+    dec, ctx, prompt, _ = _cpu_decoder(torch, "llama-tiny", 8, 6, 2)
     first = dec.generate(prompt).tokens
     dec.release()
     dec.retake()  # the memory comes back as NaN bytes: nothing of it may leak into the result
@@ -317,15 +325,12 @@ def test_cpu_retake_of_a_held_workspace_changes_nothing(cpu):
     # it with NaN bytes, and the steps after it picked token 0 from NaN logits without an error),
     # and before any plan a WorkspaceStateError.
     torch = cpu
-    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+    from inferctx.decoder import CpuContext
 
-    spec = model_spec("llama-tiny")
-    hf = build_hf_model(spec, seed=0)
     with pytest.raises(inferctx.WorkspaceStateError, match=r"^retake_workspace: no workspace plan to retake: "
                                                            r"call gen_workspace first$"):
         CpuContext().retake_workspace()
-    dec = ReferenceDecoder(hf, batch_size=2, prompt_len=8, max_new_tokens=6, dtype="float32", ctx=CpuContext())
-    prompt = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
+    dec, _, prompt, _ = _cpu_decoder(torch, "llama-tiny", 8, 6, 2)
     want = dec.generate(prompt).tokens
     dec.prefill(prompt)
     workspace = dec.ctx.workspace.clone()
@@ -342,13 +347,9 @@ def test_cpu_step_is_bounded_by_the_decoders_own_position(cpu):
     # write on a GPU). The decoder's own position stops it: TokenLimitError, nothing written,
     # the counter untouched, and a new prefill works.
     torch = cpu
-    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+    from inferctx.decoder import CpuContext, ReferenceDecoder
 
-    spec = model_spec("gpt2-tiny")
-    hf = build_hf_model(spec, seed=0)
-    ctx = CpuContext()
-    dec = ReferenceDecoder(hf, batch_size=2, prompt_len=4, max_new_tokens=3, dtype="float32", ctx=ctx)
-    prompt = torch.randint(0, spec.vocab_size, (2, 4), generator=torch.Generator().manual_seed(3))
+    dec, ctx, prompt, hf = _cpu_decoder(torch, "gpt2-tiny", 4, 3, 3)
     dec.prefill(prompt)
     for _ in range(3):
         dec.step()
