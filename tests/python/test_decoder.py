@@ -341,6 +341,55 @@ def test_cpu_retake_of_a_held_workspace_changes_nothing(cpu):
     assert torch.equal(dec.out_ids[:, 8:14], want)
 
 
+def test_cpu_context_counts_tokens_as_the_gpu_context_does(cpu):
+    # advance_tokens(0) or a negative count was taken (and lowered the counter); the GPU
+    # context refuses both, and a count that is no int, naming n.
+    torch = cpu
+    _, ctx, _, _ = _cpu_decoder(torch, "gpt2-tiny", 4, 3, 3)
+    ctx.reset_tokens(2)
+    for n, words in ((0, "n: advance_tokens got 0; it must be a positive token count (>= 1)"),
+                     (-3, "n: advance_tokens got -3; it must be a positive token count (>= 1)"),
+                     (True, "n: got True; it must be an int"), (1.0, "n: got 1.0; it must be an int")):
+        with pytest.raises(inferctx.ConfigError) as info:
+            ctx.advance_tokens(n)
+        assert info.value.argument == "n" and str(info.value) == words
+    assert ctx.current_tokens == 2
+    ctx.advance_tokens(5)
+    assert ctx.current_tokens == 7
+
+
+def test_cpu_prompt_of_booleans_is_refused_naming_its_dtype(cpu):
+    # A bool tensor was read as the token ids 0 and 1.
+    torch = cpu
+    dec, _, prompt, _ = _cpu_decoder(torch, "gpt2-tiny", 4, 3, 3)
+    for bad, words in ((prompt > 3, "a (2, 4) bool tensor"), (prompt.to(torch.complex64), "a (2, 4) complex64 tensor"),
+                       (prompt.float(), "a (2, 4) float32 tensor"), (prompt.tolist(), "a list")):
+        with pytest.raises(inferctx.ConfigError) as info:
+            dec.generate(bad)
+        assert info.value.argument == "prompt" and str(info.value) == (
+            f"prompt: got {words}; it must be a 2-D integer tensor [batch, length] of token ids")
+
+
+@pytest.mark.parametrize("name, bare, first, kind", [
+    ("gpt2-tiny", "GPT2Model", "transformer.wte.weight", "GPT2LMHeadModel"),
+    ("llama-tiny", "LlamaModel", "model.embed_tokens.weight", "LlamaForCausalLM")])
+def test_cpu_a_model_without_its_lm_head_is_named(cpu, name, bare, first, kind):
+    # The bare transformers classes hold the weights without the causal-LM prefix: a KeyError
+    # of the first weight looked up.
+    import transformers
+
+    from inferctx.decoder import CpuContext, ReferenceDecoder, model_spec
+
+    model = getattr(transformers, bare)(model_spec(name).hf_config())
+    ctx = CpuContext()
+    with pytest.raises(inferctx.ConfigError) as info:
+        ReferenceDecoder(model, batch_size=1, prompt_len=4, max_new_tokens=2, dtype="float32", ctx=ctx)
+    assert info.value.argument == "model" and str(info.value) == (
+        f"model: a {bare} has no '{first}' among its weights; the reference decoder takes the causal-LM "
+        f"model ({kind}, as AutoModelForCausalLM gives it)")
+    assert ctx.max_token_length == 0  # nothing planned
+
+
 def test_cpu_step_is_bounded_by_the_decoders_own_position(cpu):
     # The context's token counter is anyone's to reset; after a reset_tokens(0) on a full cache a
     # step would write past the KV cache's last position (an IndexError here, an out-of-bounds

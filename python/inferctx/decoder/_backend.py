@@ -257,6 +257,10 @@ class CpuContext:
         return self._tokens
 
     def advance_tokens(self, n: int = 1) -> None:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ConfigError(f"n: got {n!r}; it must be an int", argument="n")
+        if n < 1:  # as InferenceContext.advance_tokens
+            raise ConfigError(f"n: advance_tokens got {n}; it must be a positive token count (>= 1)", argument="n")
         limit = self.max_token_length
         if n > limit - self._tokens:
             raise TokenLimitError(f"advance_tokens({n}): {self._tokens} + {n} tokens would pass "

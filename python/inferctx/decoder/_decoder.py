@@ -411,9 +411,12 @@ class ReferenceDecoder:
 
     def _prefill(self, prompt: torch.Tensor) -> None:
         """prefill, the caller's stream not made to wait for it (generate does that once)."""
-        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype.is_floating_point:
-            raise ConfigError(f"prompt: got {getattr(prompt, 'shape', type(prompt).__name__)}; it must be a "
-                              f"2-D integer tensor [batch, length] of token ids", argument="prompt")
+        if (not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype.is_floating_point
+                or prompt.dtype.is_complex or prompt.dtype == torch.bool):
+            got = (f"a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor"
+                   if isinstance(prompt, torch.Tensor) else f"a {type(prompt).__name__}")
+            raise ConfigError(f"prompt: got {got}; it must be a 2-D integer tensor [batch, length] of token ids",
+                              argument="prompt")
         rows, n = prompt.shape
         if rows > self.batch:
             raise ConfigError(f"batch_size: the prompt has {rows} sequences but the decoder was planned for "

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
 from ._spec import ModelSpec
 
 __all__ = ["build_hf_model", "Weights", "LayerWeights", "hf_reference_logits", "TORCH_DTYPES"]
@@ -87,15 +88,27 @@ class Weights:
     @classmethod
     def from_hf(cls, model: Any, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Weights:
         sd: dict[str, torch.Tensor] = {k: v.detach() for k, v in model.state_dict().items()}
+        # The causal-LM classes' names of the weights; the bare ones (GPT2Model, LlamaModel) lack
+        # the prefix and the LM head.
+        first = "transformer.wte.weight" if spec.arch == "gpt2" else "model.embed_tokens.weight"
+        if first not in sd:
+            kind = "GPT2LMHeadModel" if spec.arch == "gpt2" else "LlamaForCausalLM"
+            raise ConfigError(f"model: a {type(model).__name__} has no {first!r} among its weights; the "
+                              f"reference decoder takes the causal-LM model ({kind}, as "
+                              f"AutoModelForCausalLM gives it)", argument="model")
 
         def get(key: str) -> torch.Tensor:
+            if key not in sd:
+                raise ConfigError(f"model: a {type(model).__name__} has no {key!r} among its weights, which "
+                                  f"its config ({spec.arch}, {spec.num_layers} layers) calls for",
+                                  argument="model")
             return sd[key].to(device=device, dtype=dtype).contiguous()
 
         def opt(key: str) -> torch.Tensor | None:
             return get(key) if key in sd else None
 
         def cat(*keys: str) -> torch.Tensor:
-            return torch.cat([sd[k] for k in keys], dim=0).to(device=device, dtype=dtype).contiguous()
+            return torch.cat([get(k) for k in keys], dim=0)
 
         def opt_cat(*keys: str) -> torch.Tensor | None:
             return cat(*keys) if all(k in sd for k in keys) else None
