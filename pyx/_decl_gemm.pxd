@@ -70,4 +70,5 @@ cdef extern from "inferctx/gemm.hpp" namespace "inferctx" nogil:
                              const GemmTuneOptions& options) except +raise_inferctx_error
     cpp_vector[GemmCacheEntry] export_gemm_cache(bool tuned_only) except +raise_inferctx_error
     int64_t import_gemm_cache(const cpp_vector[GemmCacheEntry]& entries) except +raise_inferctx_error
+    void check_gemm_cache(const cpp_vector[GemmCacheEntry]& entries) except +raise_inferctx_error
     void clear_gemm_cache() except +raise_inferctx_error

@@ -10,7 +10,7 @@ from libcpp.vector cimport vector as cpp_vector
 
 from inferctx._decl_gemm cimport (
     GemmCacheEntry, GemmLayout, GemmOperand, GemmProblem, GemmTuneOptions, GemmTuneResult,
-    check_gemm_addresses, clear_gemm_cache, export_gemm_cache, gemm as cpp_gemm, gemm_layout,
+    check_gemm_addresses, check_gemm_cache, clear_gemm_cache, export_gemm_cache, gemm as cpp_gemm, gemm_layout,
     import_gemm_cache, normalized_gemm_problem, packed_gemm_problem, packed_operand_alignment,
     tune_gemm)
 from inferctx._decl_gpu cimport CppInferenceContext, cudaStream_t
@@ -364,8 +364,8 @@ def _gemm_cache_export(tuned_only):
     return out
 
 
-def _gemm_cache_import(entries):
-    """Adds cache entries (dicts as _gemm_cache_export gives); returns how many were taken."""
+cdef cpp_vector[GemmCacheEntry] _cache_entries(entries) except *:
+    """Cache entries (dicts as _gemm_cache_export gives) as inferctx::GemmCacheEntry values."""
     cdef cpp_vector[GemmCacheEntry] v
     cdef GemmCacheEntry e
     for d in entries:
@@ -383,10 +383,33 @@ def _gemm_cache_import(entries):
             e.algo.push_back(<uint64_t>w)
         e.time_ms = d["time_ms"]
         v.push_back(e)
+    return v
+
+
+def _gemm_cache_import(entries):
+    """Adds cache entries (dicts as _gemm_cache_export gives); returns how many were taken."""
+    cdef cpp_vector[GemmCacheEntry] v = _cache_entries(entries)
     cdef int64_t taken
     with nogil:
         taken = import_gemm_cache(v)
     return taken
+
+
+def _gemm_cache_keys(entries):
+    """What the cache keys each entry by (dicts as _gemm_cache_export gives): device, device name,
+    cuBLAS version, the normalized problem and the three alignments, as tuples, after the checks
+    _gemm_cache_import makes (ConfigError "entry i: ..."); nothing is added to the cache."""
+    cdef cpp_vector[GemmCacheEntry] v = _cache_entries(entries)
+    with nogil:
+        check_gemm_cache(v)
+    keys = []
+    cdef size_t i
+    cdef GemmProblem p
+    for i in range(v.size()):
+        p = normalized_gemm_problem(v[i].problem)
+        keys.append((v[i].device, v[i].device_name, v[i].cublas_version,
+                     tuple(_problem_dict(p).items()), v[i].align_a, v[i].align_b, v[i].align_c))
+    return keys
 
 
 def _gemm_cache_clear():

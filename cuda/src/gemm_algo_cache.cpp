@@ -301,7 +301,7 @@ void check_entry(const GemmCacheEntry& e) {
 
 }  // namespace
 
-int64_t import_gemm_cache(const std::vector<GemmCacheEntry>& entries) {
+void check_gemm_cache(const std::vector<GemmCacheEntry>& entries) {
   for (size_t i = 0; i < entries.size(); ++i) {
     try {
       check_entry(entries[i]);
@@ -310,6 +310,10 @@ int64_t import_gemm_cache(const std::vector<GemmCacheEntry>& entries) {
       throw ConfigError(e.argument, "entry " + std::to_string(i) + ": " + e.what());
     }
   }
+}
+
+int64_t import_gemm_cache(const std::vector<GemmCacheEntry>& entries) {
+  check_gemm_cache(entries);
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
     cudaGetLastError();

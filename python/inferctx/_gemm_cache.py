@@ -109,13 +109,6 @@ def _entry_from_json(j, path, index) -> dict:
             "backend": _BACKEND_CODES[backend], "algo": words, "time_ms": float(time_ms)}
 
 
-def _identity(e) -> tuple:
-    """What makes two file entries the same problem on the same machine."""
-    return (e.get("device_name"), e.get("cublas_version"), e.get("device"), e.get("dtype"),
-            e.get("trans_a"), e.get("trans_b"), e.get("tf32"),
-            tuple(e.get(f) for f in _PROBLEM_FIELDS), tuple(e.get("align") or ()))
-
-
 def _read_cache_file(path) -> list:
     try:
         with open(path, encoding="utf-8") as f:

@@ -63,8 +63,7 @@ import stat
 from typing import Any, Dict, Iterator, List
 
 from . import _core
-from ._gemm_cache import (_BACKENDS, _FORMAT, _VERSION, _entry_from_json, _entry_to_json,
-                          _identity, _read_cache_file)
+from ._gemm_cache import _BACKENDS, _FORMAT, _VERSION, _entry_from_json, _entry_to_json, _read_cache_file
 from ._gemm_tune import _Progress, _problem_key, _tune_shapes
 from .dtypes import BFLOAT16, FLOAT16, FLOAT32, ITEMSIZE, NAMES, dtype_code
 from .errors import ConfigError, _brief
@@ -242,17 +241,23 @@ def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
     one file can serve several machines. The file is replaced atomically.
     """
     path = os.fspath(path)
-    entries = gemm_cache_entries()
+    exported = _core._gemm_cache_export(True)
+    entries = [_entry_to_json(e) for e in exported]
     if merge and os.path.exists(path):
-        mine = {_identity(e) for e in entries}
         kept = _read_cache_file(path)
-        for i, e in enumerate(kept):  # written back as they are: each must be an entry load takes
-            try:
-                _entry_from_json(e, path, i)
-            except ConfigError as exc:
-                raise ConfigError(f"{exc}; merge=True keeps the file's entries: mend or remove the file, or "
-                                  f"pass merge=False to replace it", argument="path") from None
-        entries += [e for e in kept if _identity(e) not in mine]
+        hint = "; merge=True keeps the file's entries: mend or remove the file, or pass merge=False to replace it"
+        try:  # written back as they are: each must be an entry load takes, by the same checks
+            converted = [_entry_from_json(e, path, i) for i, e in enumerate(kept)]
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}{hint}", argument="path") from None
+        try:
+            keys = _core._gemm_cache_keys(converted)
+        except ConfigError as exc:
+            raise ConfigError(f"path: {path} has an invalid {exc}{hint}", argument="path") from None
+        # One entry per cache key, this process's: a file entry that the cache would key as one
+        # of them (booleans left out, tf32 on a 16-bit type) would replace it when loaded.
+        mine = set(_core._gemm_cache_keys(exported))
+        entries += [e for e, key in zip(kept, keys) if key not in mine]
     document = {"format": _FORMAT, "version": _VERSION, "entries": entries}
     # A link (to a file on shared storage, say) stays a link: the file it names is replaced.
     target = os.path.realpath(path)

@@ -453,6 +453,47 @@ def test_save_with_merge_checks_the_entries_it_keeps(tuner, tmp_path):
     assert missing.value.filename == str(tmp_path / "no-such-folder" / "gemm.json")  # the user's path
 
 
+def test_save_with_merge_refuses_kept_entries_that_only_the_compiled_checks_refuse(tuner, tmp_path):
+    # Entries Python's reading takes but load_gemm_cache's compiled checks refuse (lda 3 for a row
+    # of 32 elements, an alignment of 0, a cuBLASLt entry without its 8 algorithm words): merged
+    # back, they would make the whole file, new tunings included, one load refuses. The save
+    # refuses instead, naming the entry as load does, and leaves the file as it was.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    good = gm.gemm_cache_entries()[0]
+    for bad, message in ((dict(good, m=32, lda=3), "entry 1: lda: "),
+                         (dict(good, align=[0, 256, 256]), "entry 1: align_a: got 0; an alignment is a power of two "
+                                                           "from 1 to 256"),
+                         (dict(good, algo=[]), "entry 1: algo: got 0 words; a cuBLASLt algorithm has 8")):
+        path = tmp_path / "kept.json"
+        text = json.dumps({"format": "inferctx-gemm-cache", "version": 1,
+                           "entries": [dict(good, device_name="Other GPU"), dict(bad, device_name="Other GPU")]})
+        path.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            gm.save_gemm_cache(path)
+        assert info.value.argument == "path"
+        assert str(info.value).startswith(f"path: {path} has an invalid {message}"), str(info.value)
+        assert str(info.value).endswith("; merge=True keeps the file's entries: mend or remove the file, or pass "
+                                        "merge=False to replace it")
+        assert path.read_text() == text
+
+
+def test_save_with_merge_keeps_one_entry_per_cache_key(tuner, tmp_path):
+    # A file entry the cache keys as one of this process's (booleans left out, tf32 on float16,
+    # which the cache ignores, strides of an unbatched problem) is that problem's stale tuning:
+    # written after the fresh one it would replace it when loaded. Only the fresh one is kept;
+    # an entry for another problem stays.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    fresh = gm.gemm_cache_entries()[0]
+    stale = dict(fresh, algo=["0x2"] * 8)
+    omitted = {k: v for k, v in stale.items() if k not in ("trans_a", "trans_b", "tf32")}
+    other = dict(fresh, m=16, ldc=16)
+    for old in (omitted, dict(stale, tf32=True), dict(stale, stride_a=999, stride_b=7, stride_c=5)):
+        path = tmp_path / "gemm.json"
+        path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": [old, other]}))
+        assert gm.save_gemm_cache(path) == 2
+        assert json.loads(path.read_text())["entries"] == [fresh, other]
+
+
 def test_save_keeps_the_files_permissions_and_its_link(tuner, tmp_path):
     # A cache file on shared storage is read by others: saving keeps its mode (0o644 here), a new
     # file is made as open() makes one (0o666 less the umask, not tempfile's 0o600), and a link

@@ -185,6 +185,10 @@ std::vector<GemmCacheEntry> export_gemm_cache(bool tuned_only = true);
 // the problems that kernel takes; one that fails the check is replaced by the heuristic's choice.
 int64_t import_gemm_cache(const std::vector<GemmCacheEntry>& entries);
 
+// The checks import_gemm_cache makes before it takes anything, alone: ConfigError naming the
+// first malformed entry ("entry i: ..."); nothing is added to the cache.
+void check_gemm_cache(const std::vector<GemmCacheEntry>& entries);
+
 void clear_gemm_cache();
 int64_t gemm_cache_size();  // entries of any kind
 
