@@ -248,8 +248,11 @@ WorkspacePlan plan_workspace(const PlanRequest& request) {
     // adds that advice when they came from the parameter count.
   } else if (a.plan.budget_limit == "memory_limit" || a.plan.budget_limit == "memory_fraction") {
     msg += "; no smaller batch_size or max_out_tokens fits within the " +
-           std::string(a.plan.budget_limit == "memory_limit" ? "memory_limit_bytes" : "memory_fraction") +
+           std::string(a.plan.budget_limit == "memory_limit" ? "memory_limit_bytes" : "memory_fraction of free memory") +
            " asked for: raise it, or use a smaller dtype, mp_size or external_cache";
+  } else if (request.has_reserve && a.plan.budget_bytes == 0) {
+    // The reserve asked for leaves nothing: no request fits until it is lowered (or more is free).
+    msg += "; nothing fits beside the reserve_bytes asked for: lower it, or free memory";
   } else {
     msg += "; no smaller batch_size or max_out_tokens fits: free memory, use a smaller dtype, mp_size or "
            "external_cache";

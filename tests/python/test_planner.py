@@ -643,7 +643,17 @@ def test_a_memory_limit_that_stops_the_plan_is_named_in_the_advice():
     assert "within the memory_limit_bytes asked for: raise it" in str(info.value)
     with pytest.raises(WorkspaceOOMError) as info:
         plan_workspace("llama-2-7b", **{**BASE, "memory_fraction": 1e-9})
-    assert "within the memory_fraction asked for: raise it" in str(info.value)
+    assert "within the memory_fraction of free memory asked for: raise it" in str(info.value)
+
+
+def test_a_reserve_that_leaves_nothing_is_named_in_the_advice():
+    # 70 GiB kept free of 8 GiB: the budget is 0 whatever the request, so the advice is to lower
+    # the reserve (or free memory), not a smaller dtype or an external cache, which cannot help.
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("llama-2-7b", **{**BASE, "reserve_bytes": 70 * GIB})
+    message = str(info.value)
+    assert "budget 0 B (reserve)" in message
+    assert message.endswith("; nothing fits beside the reserve_bytes asked for: lower it, or free memory")
 
 
 @pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (1536, "1.50 KiB"),
