@@ -64,10 +64,15 @@ Read read_operand(const char* argument, const GemmOperand& x) {
     sb = x.strides[0];
   }
   const int64_t r = x.shape[d - 2], c = x.shape[d - 1], sr = x.strides[d - 2], sc = x.strides[d - 1];
-  if (sb >= 0) {
-    if (const int64_t ld = row_major_ld(r, c, sr, sc); ld >= 0) return {{batch, sb, r, c, ld}, false};
-    if (const int64_t ld = row_major_ld(c, r, sc, sr); ld >= 0) return {{batch, sb, c, r, ld}, true};
+  if (sb < 0 && batch > 1) {
+    refuse(argument, "shape " + tuple_text(x.shape) + " with strides " + tuple_text(x.strides) +
+                         " (in elements); its batch stride " + str(sb) + " is negative, and cuBLAS takes "
+                         "batches only in increasing memory order (0 or more)",
+           Remedy::MakeContiguous);
   }
+  if (batch <= 1) sb = std::max<int64_t>(sb, 0);  // one matrix: its batch stride is never used
+  if (const int64_t ld = row_major_ld(r, c, sr, sc); ld >= 0) return {{batch, sb, r, c, ld}, false};
+  if (const int64_t ld = row_major_ld(c, r, sc, sr); ld >= 0) return {{batch, sb, c, r, ld}, true};
   refuse(argument, "shape " + tuple_text(x.shape) + " with strides " + tuple_text(x.strides) +
                        " (in elements); one of its last two dimensions must have stride 1 and the other a "
                        "stride at least its length",
@@ -121,15 +126,36 @@ bool intersects(uintptr_t x, int64_t x_bytes, uintptr_t y, int64_t y_bytes) {
   return x < y + static_cast<uint64_t>(y_bytes) && y < x + static_cast<uint64_t>(x_bytes);
 }
 
-// Whether `in` and out, with one leading dimension and no batch, take disjoint column ranges of
-// the same rows (out and an input side by side in one buffer): seen as positions modulo ld, the
-// input takes [0, cols) and out must fit in [cols, ld).
+// Whether [0, x_len) and [y_at, y_at + y_len) are disjoint on a circle of `period` elements, y_at
+// taken modulo the period (negative offsets included).
+bool apart_modulo(int64_t period, int64_t y_at, int64_t x_len, int64_t y_len) {
+  if (period <= 0 || x_len > period || y_len > period - x_len) return false;
+  const int64_t at = (y_at % period + period) % period;
+  return x_len <= at && at + y_len <= period;
+}
+
+// Elements from a matrix's first to just past its last (0 when it is empty).
+int64_t matrix_elements(const GemmSpan& s) { return s.rows == 0 || s.cols == 0 ? 0 : (s.rows - 1) * s.ld + s.cols; }
+
+// Whether each matrix of a span starts a whole number of `period` elements from its first.
+bool batches_on(const GemmSpan& s, int64_t period) { return s.batch <= 1 || s.stride % period == 0; }
+
+// Whether `in` and out take disjoint elements of one buffer, seen through a period both repeat
+// with: side by side in the same rows (the period is their common leading dimension, each batch
+// stride a multiple of it; the input takes columns [0, cols) and out others), or interleaved
+// matrix by matrix (the period is their common batch stride; each matrix fits within it).
+// Conservative: false when neither pattern shows them apart.
 bool side_by_side(const GemmSpan& in, uintptr_t in_ptr, const GemmSpan& c, uintptr_t c_ptr, int64_t esize) {
-  if (in.ld != c.ld || in.batch != 1 || c.batch != 1) return false;
   const int64_t diff = static_cast<int64_t>(c_ptr - in_ptr);
   if (diff % esize != 0) return false;
-  const int64_t column = ((diff / esize) % in.ld + in.ld) % in.ld;
-  return in.cols <= column && column + c.cols <= in.ld;
+  const int64_t at = diff / esize;
+  if (in.ld == c.ld && batches_on(in, in.ld) && batches_on(c, c.ld) && apart_modulo(in.ld, at, in.cols, c.cols)) {
+    return true;
+  }
+  const int64_t period = in.batch > 1 ? in.stride : c.stride;  // the batch stride they share
+  if (in.batch <= 1 && c.batch <= 1) return false;  // one matrix each: the rows' test above decides
+  if ((in.batch > 1 && in.stride != period) || (c.batch > 1 && c.stride != period)) return false;
+  return apart_modulo(period, at, matrix_elements(in), matrix_elements(c));
 }
 
 }  // namespace
@@ -226,8 +252,9 @@ void check_gemm_addresses(const GemmLayout& layout, uintptr_t a, uintptr_t b, ui
   for (const auto& in : inputs) {
     if (!intersects(in.ptr, span_bytes(in.span, es), c, c_bytes)) continue;
     if (side_by_side(in.span, in.ptr, layout.span_c, c, es)) continue;
-    refuse("out", std::string("out shares memory with ") + in.name +
-                      "; the product would overwrite its own input. Write into a separate array");
+    refuse("out", std::string("out shares memory with ") + in.name + ": their elements overlap, or interleave in "
+                      "a way this check cannot prove apart, so the product could overwrite its own input. Write "
+                      "into a separate array");
   }
   const struct {
     const char* name;

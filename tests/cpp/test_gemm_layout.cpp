@@ -145,4 +145,36 @@ TEST_CASE("addresses: out sharing an input, side by side, misaligned") {
   CHECK(r.argument == "b" && has(r.message, "0x9002") && has(r.message, "4-byte"));
 }
 
+TEST_CASE("addresses: bmm's out beside or between an input's matrices") {
+  // a (3, 4, 4) float32, matrices 32 elements apart (every other one of a (6, 4, 4) buffer at
+  // 0x1000); out the same, in the matrices between: from element 16 (0x1040) it is apart.
+  const GemmOperand spaced = f32({3, 4, 4}, {32, 4, 1}), packed = f32({3, 4, 4}, {16, 4, 1});
+  GemmLayout L = gemm_layout(3, false, false, spaced, packed, &spaced);
+  CHECK(refusal([&] { check_gemm_addresses(L, 0x1000, 0x9000, 0x1040); }).argument.empty());
+  CHECK(refusal([&] { check_gemm_addresses(L, 0x1040, 0x9000, 0x1000); }).argument.empty());  // out first
+  Refusal r = refusal([&] { check_gemm_addresses(L, 0x1000, 0x9000, 0x103c); });  // out's first is a's last
+  CHECK(r.argument == "out" && has(r.message, "shares memory with a"));
+  r = refusal([&] { check_gemm_addresses(L, 0x1000, 0x9000, 0x1044); });  // a's second matrix's first
+  CHECK(r.argument == "out" && has(r.message, "shares memory with a"));
+  // a (2, 4, 3) as columns [0, 3) of rows of 7, out (2, 4, 4) as columns [3, 7), batch stride 28.
+  const GemmOperand a = f32({2, 4, 3}, {28, 7, 1}), b = f32({2, 3, 4}, {12, 4, 1}), out = f32({2, 4, 4}, {28, 7, 1});
+  L = gemm_layout(3, false, false, a, b, &out);
+  CHECK(refusal([&] { check_gemm_addresses(L, 0x1000, 0x9000, 0x1000 + 3 * 4); }).argument.empty());
+  r = refusal([&] { check_gemm_addresses(L, 0x1000, 0x9000, 0x1000 + 2 * 4); });  // out from column 2
+  CHECK(r.argument == "out" && has(r.message, "shares memory with a"));
+  // A broadcast b (one matrix) beside out's rows, out's batch stride a multiple of the rows' 8.
+  const GemmOperand b1 = f32({1, 3, 4}, {12, 8, 1}), out8 = f32({2, 3, 4}, {24, 8, 1});
+  L = gemm_layout(3, false, false, f32({2, 3, 3}, {9, 3, 1}), b1, &out8);
+  CHECK(refusal([&] { check_gemm_addresses(L, 0x1000, 0x2000, 0x2000 + 4 * 4); }).argument.empty());
+  r = refusal([&] { check_gemm_addresses(L, 0x1000, 0x2000, 0x2000 + 3 * 4); });
+  CHECK(r.argument == "out" && has(r.message, "shares memory with b"));
+}
+
+TEST_CASE("a negative batch stride is named as such; a batch of one ignores it") {
+  Refusal r = refusal([&] { gemm_layout(3, false, false, f32({2, 4, 4}, {-16, 4, 1}), f32({2, 4, 4}, {16, 4, 1}), nullptr); });
+  CHECK(r.argument == "a" && has(r.message, "batch stride -16 is negative") && has(r.message, "(-16, 4, 1)"));
+  GemmLayout L = gemm_layout(3, false, false, f32({1, 4, 4}, {-16, 4, 1}), f32({1, 4, 4}, {16, 4, 1}), nullptr);
+  CHECK(fields(L.problem) == (std::vector<int64_t>{4, 4, 4, 4, 4, 4, 1, 0, 0, 16, 0, 0}));
+}
+
 CHECK_MAIN()

@@ -207,6 +207,37 @@ def test_side_by_side_out_in_one_buffer_runs(side, trans_a, trans_b):
     np.testing.assert_array_equal(buffer[rest], before[rest])  # the input, and NaN elsewhere
 
 
+@pytest.mark.parametrize("side", ["out right of a", "out left of b", "out interleaved with a",
+                                  "out interleaved with b", "out beside a broadcast b"])
+def test_bmm_out_in_one_buffer_with_an_input_runs(side):
+    """bmm with out and an input in one buffer, their elements apart: side by side in the same
+    rows of each matrix, or alternate matrices of one batch. The product reads the input and
+    writes only out's elements."""
+    rng = np.random.default_rng(7)
+    batch, n, k = 3, 5, 6
+    m = k if side == "out left of b" else 4
+    if side == "out left of b":  # b is (k, n) and out (m, n) = (k, n): rows of 2n, out | b
+        buffer, place_in, place_out = np.full((batch, k, 2 * n), np.nan, np.float32), np.s_[..., n:], np.s_[..., :n]
+    elif side.startswith("out interleaved"):  # even matrices the input, odd ones out
+        m = k = n
+        buffer, place_in, place_out = np.full((2 * batch, n, n), np.nan, np.float32), np.s_[0::2], np.s_[1::2]
+    else:  # rows of k + n: a | out
+        buffer, place_in, place_out = np.full((batch, m, k + n), np.nan, np.float32), np.s_[..., :k], np.s_[..., k:]
+    buffer[place_in] = _integers(buffer[place_in].shape, np.float32, rng)
+    if side in ("out left of b", "out interleaved with b"):
+        a, b = _integers((batch, m, k), np.float32, rng), buffer[place_in]
+    else:
+        a, b = buffer[place_in], _integers((1 if "broadcast" in side else batch, k, n), np.float32, rng)
+    out = buffer[place_out]
+    ref = _product(a, b)
+    before = buffer.copy()
+    host_gemm(3, a, b, out)
+    _assert_equal(out, ref)
+    rest = np.ones(buffer.shape, bool)
+    rest[place_out] = False
+    np.testing.assert_array_equal(buffer[rest], before[rest])  # the input, and NaN elsewhere
+
+
 @pytest.mark.parametrize("case", ["k = 0", "k = 0 into out", "k = 0 into column-major out",
                                   "m = 0", "n = 0", "bmm of batch 0", "bmm k = 0"])
 def test_zero_sizes(case):
