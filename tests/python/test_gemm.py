@@ -706,6 +706,30 @@ def test_gpu_bmm(ctx, dtype, trans_a, trans_b):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", _TORCH_DTYPES)
+def test_gpu_bmm_into_an_inputs_own_buffer(ctx, dtype):
+    """bmm's out in the same buffer as its input, the elements apart: the odd matrices of a
+    batch whose even ones are a, and the right-hand columns of rows whose left ones are a."""
+    torch = _torch()
+    batch, n = 4, 24
+    buffer = _rand((2 * batch, n, n), dtype)
+    a, b = buffer[0::2], _rand((batch, n, n), dtype)
+    ref, kept = a.double() @ b.double(), buffer[0::2].clone()
+    gm.bmm(a, b, out=buffer[1::2])
+    _check(buffer[1::2], ref, _bound(dtype), ctx)
+    assert torch.equal(buffer[0::2], kept)  # a is read, not written
+    rows = _rand((batch, n, 2 * n), dtype)
+    a, kept = rows[..., :n], rows[..., :n].clone()
+    ref = a.double() @ b.double()
+    gm.bmm(a, b, out=rows[..., n:])
+    _check(rows[..., n:], ref, _bound(dtype), ctx)
+    assert torch.equal(rows[..., :n], kept)
+    with pytest.raises(ConfigError) as info:  # out one column into a: elements shared
+        gm.bmm(a, b, out=rows[..., n - 1:2 * n - 1])
+    assert info.value.argument == "out" and "shares memory with a" in str(info.value)
+
+
+@pytest.mark.gpu
 def test_gpu_k_zero_and_empty(ctx):
     torch = _torch()
     a = torch.empty((5, 0), dtype=torch.bfloat16, device="cuda:0")
