@@ -188,9 +188,10 @@ cdef bint _wants_versioned(object max_version) except -1:
     """True when the consumer takes DLPack >= 1.0 capsules (the spec's max_version)."""
     if max_version is None:
         return False
-    if not isinstance(max_version, tuple) or len(max_version) != 2:
+    if (not isinstance(max_version, tuple) or len(max_version) != 2
+            or any(PyBool_Check(v) or not isinstance(v, int) for v in max_version)):
         raise TypeError(f"max_version: got {max_version!r}; the DLPack spec passes None or a "
-                        f"(major, minor) tuple")
+                        f"(major, minor) tuple of ints")
     return max_version[0] >= 1
 
 

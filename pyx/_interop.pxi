@@ -221,7 +221,9 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
     typestr = interface["typestr"]
     if not isinstance(typestr, str):
         _bad_interface(obj, argument, f"'typestr' is {typestr!r}, not a str")
-    dtype = _DTYPE_BY_TYPESTR.get(typestr[1:]) if typestr[:1] in ("<", "|", "=") else None
+    dtype = _DTYPE_BY_TYPESTR.get(typestr[1:]) if typestr[:1] in ("<", "|", "=", ">") else None
+    if dtype is not None and typestr[0] == ">" and _DTYPE_ITEMSIZE[<int>dtype] != 1:
+        dtype = None  # big-endian; for one-byte items the byte order means nothing
     if dtype is None:
         raise _ConfigError(f"{argument}: its typestr {typestr!r} is not one inferctx handles "
                            f"(little-endian {', '.join(_DTYPE_NAMES)})", argument=argument)
@@ -244,21 +246,24 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
         if len(byte_strides) != len(shape):
             _bad_interface(obj, argument, f"'strides' {byte_strides} has {len(byte_strides)} entries "
                                           f"for the {len(shape)} of 'shape' {shape}")
-        if any(s % itemsize for s in byte_strides):
+        # Only a stride that steps between elements must be whole items: one on a dimension
+        # of size 1, or of an empty array, addresses nothing (as _is_contiguous ignores it).
+        if size and any(s % itemsize for n, s in zip(shape, byte_strides) if n > 1):
             raise _ConfigError(f"{argument}: strides {tuple(byte_strides)} (bytes) are not "
                                f"multiples of the {itemsize}-byte items", argument=argument)
         strides = tuple([s // itemsize for s in byte_strides])
-    cdef uintptr_t ptr = <uintptr_t>address
-    cdef int device = _pointer_device(ptr, obj, argument) if ptr else _device_arg(None)
     version = interface.get("version", 0)
     if PyBool_Check(version) or not isinstance(version, int):
         _bad_interface(obj, argument, f"'version' is {version!r}, not an int")
     producer = interface.get("stream") if version >= 3 else None
     if producer is not None and stream != 0:
-        if PyBool_Check(producer) or not isinstance(producer, int) or producer <= 0:
+        if PyBool_Check(producer) or not isinstance(producer, int) or not 0 < producer < (1 << 64):
             raise _ConfigError(f"{argument}: __cuda_array_interface__ 'stream' is {producer!r}; "
-                               f"the interface allows None, 1, 2 or a stream handle",
-                               argument=argument)
+                               f"the interface allows None, 1, 2 or a stream handle (an int in "
+                               f"[3, 2**64))", argument=argument)
+    cdef uintptr_t ptr = <uintptr_t>address
+    cdef int device = _pointer_device(ptr, obj, argument) if ptr else _device_arg(None)
+    if producer is not None and stream != 0:
         _context_of(device)._order(<uintptr_t>producer, stream)
     return _cuda_array(ptr, shape, strides, size, dtype, device, obj, True if read_only else False)
 

@@ -300,7 +300,7 @@ def test_any_machine_pinned_buffer_sizes_are_checked_first(nbytes):
 DL_STREAM = st.one_of(st.none(), st.integers(-3, 2),  # 3 would be a bogus handle
                        st.sampled_from(["1", 1.0, True, 2**64, -2**70]))
 MAX_VERSION = st.one_of(st.none(), st.tuples(st.integers(-1, 3), st.integers(0, 5)),
-                        st.sampled_from([(1,), (1, 0, 0), "1.0", 1, [1, 0]]))
+                        st.sampled_from([(1,), (1, 0, 0), "1.0", 1, [1, 0], ("a", 0), (True, 0)]))
 DL_DEVICE = st.one_of(st.none(), st.tuples(st.integers(-1, 14), st.integers(-1, 3)),
                       st.sampled_from([(1, 0), (3, 0), (2, 0), "cpu", (1,), (True, 0), (1, False)]))
 COPY = st.sampled_from([None, True, False, 1, 0, "yes"])
@@ -319,7 +319,9 @@ def test_any_machine_empty_pinned_buffer_dlpack_export(stream, max_version, dl_d
     if isinstance(out, Raised):
         if isinstance(out.exc, TypeError):  # only max_version documents it
             assert not (max_version is None or (isinstance(max_version, tuple) and len(max_version) == 2
-                                                and all(isinstance(v, int) for v in max_version))), out
+                                                and all(isinstance(v, int) and not isinstance(v, bool)
+                                                        for v in max_version))), out
+            assert "max_version" in str(out.exc), out
         if isinstance(out.exc, ConfigError):
             assert out.exc.argument == "copy", out
         assert sys.getrefcount(buf) == before

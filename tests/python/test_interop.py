@@ -140,6 +140,41 @@ def test_cuda_array_interface_shape_whose_bytes_pass_int64_is_refused():
     assert info.value.argument == "x"
 
 
+@pytest.mark.parametrize("stream_value", [0, -1, 2**64, 2**70, True, 1.0, "1"])
+def test_cuda_array_interface_stream_outside_the_interface_is_named_before_any_device(stream_value):
+    """A producer 'stream' the interface does not allow is named, as ConfigError on the
+    argument, before anything asks CUDA about the pointer (so on any machine)."""
+    class Producer:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False),
+                                    "version": 3, "stream": stream_value}
+
+    with pytest.raises(ConfigError, match=r"'stream' is .*; the interface allows None, 1, 2 or a "
+                                          r"stream handle \(an int in \[3, 2\*\*64\)\)") as info:
+        _core._as_cuda_array(Producer(), "x", 7)
+    assert info.value.argument == "x"
+
+
+@pytest.mark.parametrize("version", ["3", 3.0, None, True])
+def test_cuda_array_interface_version_that_is_no_int_is_named_before_any_device(version):
+    class Producer:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False),
+                                    "version": version}
+
+    with pytest.raises(ConfigError, match=r"'version' is .*, not an int") as info:
+        _core._as_cuda_array(Producer(), "x")
+    assert info.value.argument == "x"
+
+
+@pytest.mark.parametrize("typestr", [">f4", ">f2", ">i4"])
+def test_cuda_array_interface_big_endian_items_of_more_than_a_byte_are_refused(typestr):
+    class Producer:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": typestr, "data": (0, False), "version": 3}
+
+    with pytest.raises(ConfigError, match="is not one inferctx handles") as info:
+        _core._as_cuda_array(Producer(), "x")
+    assert info.value.argument == "x"
+
+
 @pytest.mark.parametrize("mask", [["bits"], {}, {"bits": 2}, 2, b"bits"])
 def test_dropout_mask_that_is_no_mask_name_is_refused_naming_mask(mask):
     """Checked before the operand is read, so on any machine; a list or dict is unhashable and
@@ -182,6 +217,36 @@ def test_cuda_array_interface_only_objects(ctx):
                                               data=(host_memory.ctypes.data, False))
     with pytest.raises(ConfigError, match="not device memory"):
         _core._as_cuda_array(host_only, "x")
+
+
+@pytest.mark.gpu
+def test_cuda_array_interface_byte_order_and_strides_that_address_nothing(ctx):
+    """One-byte items read the same in either byte order, so '>u1' and '>b1' are taken; a
+    stride on a dimension of size 1, or of an empty array, addresses no element, so one that is
+    not a multiple of the item size is taken there (and refused where it steps between items)."""
+    torch = pytest.importorskip("torch")
+
+    class Producer:
+        def __init__(self, tensor, **changes):
+            self.tensor = tensor  # keeps the memory alive
+            self.__cuda_array_interface__ = dict(tensor.__cuda_array_interface__, **changes)
+
+    for dtype, typestr, name in ((torch.uint8, ">u1", "uint8"), (torch.int8, ">i1", "int8"),
+                                 (torch.bool, ">b1", "bool")):
+        t = torch.zeros(6, dtype=dtype, device="cuda:0")
+        a = _core._as_cuda_array(Producer(t, typestr=typestr), "x")
+        assert (a.ptr, a.shape, a.dtype) == (t.data_ptr(), (6,), name)
+    t = torch.zeros((3, 4), dtype=torch.float32, device="cuda:0")
+    row = t[1:2]  # (1, 4)
+    a = _core._as_cuda_array(Producer(row, strides=(6, 4)), "x")  # 6 bytes on the size-1 dimension
+    assert (a.ptr, a.shape, a.strides[1], a.contiguous) == (row.data_ptr(), (1, 4), 1, True)
+    empty = t[:0]
+    a = _core._as_cuda_array(Producer(empty, strides=(6, 2)), "x")
+    assert a.shape == (0, 4) and a.size == 0
+    with pytest.raises(ConfigError, match=r"strides \(6, 4\) \(bytes\) are not multiples of the "
+                                          r"4-byte items") as info:
+        _core._as_cuda_array(Producer(t[:2], strides=(6, 4)), "x")
+    assert info.value.argument == "x"
 
 
 class TorchMemoryProducer:

@@ -25,6 +25,14 @@ def test_size_is_checked_before_any_cuda_call(nbytes):
     assert info.value.argument == "nbytes"
 
 
+@pytest.mark.parametrize("max_version", [("a", 0), (1, "0"), (True, 0), (1.0, 0), [1, 0], (1,)])
+def test_a_max_version_that_is_no_pair_of_ints_is_named(max_version):
+    """The DLPack spec's error for it is TypeError; it names max_version and what is valid."""
+    with pytest.raises(TypeError, match=r"max_version: got .*; the DLPack spec passes None or a "
+                                        r"\(major, minor\) tuple of ints"):
+        PinnedBuffer(0).__dlpack__(max_version=max_version)
+
+
 def test_empty_buffer_exports_on_any_machine():
     # Zero bytes need no page-locked allocation, so the export paths run without a GPU too.
     buf = PinnedBuffer(0)
