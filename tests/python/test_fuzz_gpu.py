@@ -1513,7 +1513,7 @@ def test_gpu_device_view_exports(gpu, data):
         assert not (max_version is None or (isinstance(max_version, tuple) and len(max_version) == 2
                                             and all(isinstance(v, int) and not isinstance(v, bool)
                                                     for v in max_version))), out
-            assert "max_version" in str(out.exc), out
+        assert "max_version" in str(out.exc), out
     if not isinstance(out, Raised):
         versioned = max_version is not None and max_version[0] >= 1
         assert capsule_name(out) == ("dltensor_versioned" if versioned else "dltensor")
