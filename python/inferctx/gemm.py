@@ -238,11 +238,47 @@ def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
     """Writes the autotuned GEMM algorithms to a JSON file; returns how many entries it holds.
 
     With ``merge`` the file's entries for other problems, GPUs or cuBLAS versions are kept, so
-    one file can serve several machines. The file is replaced atomically.
+    one file can serve several machines; the read, the merge and the replacement hold an
+    exclusive lock (``flock``) on the file's folder, so that processes saving into one file take
+    turns and none loses another's entries (where the file system has no such locks, the merge
+    goes on unlocked). The file is replaced atomically.
     """
     path = os.fspath(path)
+    merge = _flag(merge, "merge")
     exported = _core._gemm_cache_export(True)
     entries = [_entry_to_json(e) for e in exported]
+    # A link (to a file on shared storage, say) stays a link: the file it names is replaced.
+    target = os.path.realpath(path)
+    with _folder_lock(target) if merge else contextlib.nullcontext():
+        return _save_entries(path, target, exported, entries, merge)
+
+
+@contextlib.contextmanager
+def _folder_lock(path: str) -> Iterator[None]:
+    """An exclusive flock on path's folder, released on leaving (a lock on the file itself would
+    be lost with the file it replaces). None where the platform or the file system lacks it."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    folder = os.path.dirname(path) or "."
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # no such folder: the save's own open says so
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # NFS without lock support, say
+            _log.info("save_gemm_cache: could not lock %s (%s); merging without a lock", folder, exc)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def _save_entries(path: str, target: str, exported: list, entries: list, merge: bool) -> int:
     if merge and os.path.exists(path):
         kept = _read_cache_file(path)
         hint = "; merge=True keeps the file's entries: mend or remove the file, or pass merge=False to replace it"
@@ -259,8 +295,6 @@ def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
         mine = set(_core._gemm_cache_keys(exported))
         entries += [e for e, key in zip(kept, keys) if key not in mine]
     document = {"format": _FORMAT, "version": _VERSION, "entries": entries}
-    # A link (to a file on shared storage, say) stays a link: the file it names is replaced.
-    target = os.path.realpath(path)
     try:
         fd, tmp = _new_file_beside(target)
     except OSError as exc:  # named by the user's path, not by the temporary file's

@@ -494,6 +494,45 @@ def test_save_with_merge_keeps_one_entry_per_cache_key(tuner, tmp_path):
         assert json.loads(path.read_text())["entries"] == [fresh, other]
 
 
+def test_save_with_merge_waits_for_another_save_into_the_same_file(tuner, tmp_path):
+    # Two processes merging into one file (machines sharing it) each read, merge and replace: a
+    # save that read the file before the other's replacement would write it back without the
+    # other's entries. The merge takes an exclusive flock on the file's folder; held here, as
+    # another process's save would hold it, the save waits, then reads what was written meanwhile.
+    import fcntl
+    import os
+    import threading
+
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    mine = gm.gemm_cache_entries()[0]
+    theirs = dict(mine, m=16, ldc=16)
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": []}))
+    folder = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(folder, fcntl.LOCK_EX)
+    done = []
+    saver = threading.Thread(target=lambda: done.append(gm.save_gemm_cache(path)))
+    try:
+        saver.start()
+        saver.join(0.5)
+        assert saver.is_alive() and not done  # waiting for the lock
+        path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": [theirs]}))
+    finally:
+        os.close(folder)  # the lock goes with it
+    saver.join(10)
+    assert done == [2] and json.loads(path.read_text())["entries"] == [mine, theirs]
+    # merge=False replaces the file whatever it holds, so it takes no lock.
+    folder = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(folder, fcntl.LOCK_EX)
+    try:
+        assert gm.save_gemm_cache(path, merge=False) == 1
+    finally:
+        os.close(folder)
+    with pytest.raises(ConfigError) as info:
+        gm.save_gemm_cache(path, merge="yes")
+    assert info.value.argument == "merge"
+
+
 def test_save_keeps_the_files_permissions_and_its_link(tuner, tmp_path):
     # A cache file on shared storage is read by others: saving keeps its mode (0o644 here), a new
     # file is made as open() makes one (0o666 less the umask, not tempfile's 0o600), and a link
