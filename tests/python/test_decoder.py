@@ -80,6 +80,21 @@ def test_the_usage_lists_demo_and_importing_the_cli_imports_no_torch(capsys):
     assert done.returncode == 0 and done.stdout.split() == ["False", "False"], done.stderr
 
 
+def test_the_decoder_takes_the_dtype_names_the_planner_takes():
+    # The decoder kept a smaller alias table of its own: 'f16', 'f32' and 'single', which
+    # plan_workspace takes, were refused by ReferenceDecoder and `inferctx demo`.
+    from inferctx.decoder._spec import dtype_name
+
+    from inferctx.dtypes import dtype_name as planner_name
+
+    for name in ("f16", "F32", "single", "float", "half", "fp16", "bf16", "bfloat16", "float32"):
+        assert dtype_name(name) == planner_name(name)
+    assert [dtype_name(n) for n in ("f16", "single", "bf16")] == ["float16", "float32", "bfloat16"]
+    with pytest.raises(inferctx.ConfigError) as info:
+        dtype_name("int8")
+    assert info.value.argument == "dtype" and "'bfloat16' ('bf16')" in str(info.value)
+
+
 def test_model_specs():
     from inferctx.decoder import PRESETS, model_spec
 

@@ -7,11 +7,14 @@ transformers (``pip install 'inferctx[demo]'``); ``import inferctx`` imports nei
 
 .. code-block:: python
 
+    import torch
     from inferctx.decoder import ReferenceDecoder, build_hf_model, model_spec
 
-    model = build_hf_model(model_spec("llama-tiny"), seed=0)      # transformers' LlamaForCausalLM
+    spec = model_spec("llama-tiny")
+    model = build_hf_model(spec, seed=0)                          # transformers' LlamaForCausalLM
     dec = ReferenceDecoder(model, batch_size=4, prompt_len=32, max_new_tokens=64, dtype="float16")
-    out = dec.generate(prompt)            # prompt: int64 [4, 32]; out.tokens [4, 64]
+    prompt = torch.randint(0, spec.vocab_size, (4, 32), device="cuda")
+    out = dec.generate(prompt)            # out.tokens [4, 64]
 
 **What runs where.** The projections, the MLP and the LM head are ``inferctx.gemm(..., out=)`` on the
 context's cuBLAS handle; attention's QK^T and PV are ``inferctx.bmm``; MC-dropout (off unless
@@ -25,7 +28,8 @@ a prompt and of a decode step); ``fused_kernels`` lists those in use, ``fused=Fa
 sequences.
 
 **Buffers.** ``gen_workspace(spec.model_shape(), batch_size=, prompt_len=, max_out_tokens=prompt_len
-+ max_new_tokens, dtype=)`` plans the workspace. K and V of layer l are ``ctx.kv_cache(l)``
++ max_new_tokens, min_out_tokens=prompt_len + max_new_tokens, dtype=)`` plans the workspace (all of
+it, or WorkspaceOOMError naming the max_new_tokens or batch_size that would fit). K and V of layer l are ``ctx.kv_cache(l)``
 ([batch, kv_heads, max_tokens, head_dim_padded]; the first head_dim columns are used). The
 activations region is cut (256-byte aligned) into: logits [batch, vocab], the residual stream x,
 the block output, Llama's RMSNorm output, then one area shared by the attention phase (fused QKV

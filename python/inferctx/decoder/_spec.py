@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ..dtypes import dtype_name as _dtype_name
 from ..errors import ConfigError
 from ..planning import ModelShape
 
@@ -13,19 +14,12 @@ __all__ = ["ModelSpec", "PRESETS", "ALIASES", "model_spec", "dtype_name", "DTYPE
 
 DTYPES = ("float32", "float16", "bfloat16")
 ARCHS = ("gpt2", "llama")
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
-                  "bf16": "bfloat16"}
 
 
 def dtype_name(dtype: object) -> str:
-    """'float32', 'float16' or 'bfloat16' from a name, an alias or a torch dtype."""
-    if type(dtype).__name__ == "dtype" and str(dtype).startswith("torch."):
-        dtype = str(dtype)[len("torch."):]
-    if isinstance(dtype, str):
-        name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
-        if name in DTYPES:
-            return name
-    raise ConfigError(f"dtype: got {dtype!r}; valid: float32, float16, bfloat16", argument="dtype")
+    """'float32', 'float16' or 'bfloat16' from a name, an alias or a NumPy / torch dtype: the
+    package's one alias table (inferctx.dtypes), which takes exactly these three."""
+    return _dtype_name(dtype, "dtype")
 
 
 @dataclass(frozen=True)
