@@ -35,6 +35,8 @@ import platform
 import statistics
 import sys
 
+from _cli import at_least, json_path  # bench/, the script's folder
+
 MIB = 1 << 20
 
 
@@ -52,7 +54,22 @@ def parse_args(argv=None):
     ap.add_argument("--no-fused", action="store_true",
                     help="torch's elementwise sequences instead of the fused kernels (ReferenceDecoder(fused=False))")
     ap.add_argument("--json", help="write the results to this file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    from inferctx import ConfigError
+    from inferctx.decoder import model_spec  # no torch: checks the name only
+
+    for name in args.models:
+        try:
+            model_spec(name)
+        except ConfigError as exc:
+            ap.error(f"--models {name}: {str(exc).removeprefix('model: ')}")
+    at_least(ap, "--batches", args.batches, 1)
+    at_least(ap, "--prompt-len", args.prompt_len, 1)
+    at_least(ap, "--new-tokens", args.new_tokens, 2)  # the first token is the prefill's; steps need one more
+    at_least(ap, "--repeats", args.repeats, 1)
+    at_least(ap, "--profile-steps", args.profile_steps, 1)
+    json_path(ap, args.json)
+    return args
 
 
 def timed(torch, fn, repeats):

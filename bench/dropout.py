@@ -39,7 +39,8 @@ import statistics
 import sys
 import time
 
-from _host_timing import host_us_interleaved  # bench/, the script's folder
+from _cli import at_least, drop_probability, json_path  # bench/, the script's folder
+from _host_timing import host_us_interleaved
 
 MIB = 1 << 20
 TARGET_COPY_FRACTION = 0.90
@@ -60,7 +61,13 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--json", help="write the results to this file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    drop_probability(ap, args.p)
+    at_least(ap, "--sizes-mib", args.sizes_mib, 1)
+    at_least(ap, "--iters", args.iters, 0)
+    at_least(ap, "--warmup", args.warmup, 0)
+    json_path(ap, args.json)
+    return args
 
 
 class Timer:

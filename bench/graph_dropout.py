@@ -11,8 +11,9 @@ For each input size and dtype, and for graphs of 1 and of 32 dropout calls (a de
   of its blocks to do so advances its replay counter (docs/graphs.md);
 * "torch eager" / "torch graph": ``torch.ops.aten.native_dropout(x, p, True)`` called directly,
   and captured and replayed the same way (torch reads its seed and offset from tensors it fills
-  before each replay); the results of a step's calls are kept until the step ends, so that each
-  call writes an output and a mask of its own, as ours do.
+  before each replay); eager torch's results are kept for as many steps as there are buffer sets
+  (a graph keeps its own), so that each call writes an output and a mask of its own, rotated as
+  ours are.
 
 Every figure is device time per dropout call: each call (or replay) is timed alone between CUDA
 events after warm-up, with the stream first held by a sleep kernel so that host launch overhead
@@ -34,6 +35,8 @@ import statistics
 import sys
 import time
 
+from _cli import at_least, drop_probability, json_path  # bench/, the script's folder
+
 KIB = 1 << 10
 
 
@@ -51,7 +54,17 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--json", help="write the results to this file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    drop_probability(ap, args.p)
+    # Below 4 KiB a graph of one call would need more than 38,000 buffer sets (captures) to
+    # rotate 3x L2.
+    at_least(ap, "--sizes-kib", args.sizes_kib, 4)
+    at_least(ap, "--calls", args.calls, 1)
+    at_least(ap, "--max-step-mib", args.max_step_mib, 1)
+    at_least(ap, "--iters", args.iters, 0)
+    at_least(ap, "--warmup", args.warmup, 0)
+    json_path(ap, args.json)
+    return args
 
 
 class Timer:
@@ -233,10 +246,18 @@ def main(argv=None) -> int:
 
                 ours_graphs = [capture(torch, lambda b=b: ours(b)) for b in bufs]
                 torch_graphs = [capture(torch, lambda b=b: theirs(b)) for b in bufs]
+                # Eager torch's results of the last `sets` steps are kept, so that its writes rotate
+                # over as many outputs and masks as ours do (a step's results dropped at once give
+                # their blocks to the next step, which would rewrite lines still in L2).
+                ring = [None] * sets
+
+                def theirs_kept(i):
+                    ring[i % sets] = theirs(bufs[i % sets])  # the new step's blocks, then the old freed
+
                 variants = {
                     "ours eager": lambda i: ours(bufs[i % sets]),
                     "ours graph": lambda i: ours_graphs[i % sets].replay(),
-                    "torch eager": lambda i: theirs(bufs[i % sets]),
+                    "torch eager": theirs_kept,
                     "torch graph": lambda i: torch_graphs[i % sets].replay(),
                 }
                 # Commands each call queues on the stream: a replay of ours is one graph launch;
@@ -254,7 +275,7 @@ def main(argv=None) -> int:
                            graph_vs_eager=us["ours graph"] / us["ours eager"],
                            graph_vs_torch_graph=us["ours graph"] / us["torch graph"])
                 rows.append(row)
-                del ours_graphs, torch_graphs, bufs
+                del ours_graphs, torch_graphs, bufs, ring
                 torch.cuda.synchronize()
     host = host_figures(torch, inferctx, ctx, args.p)
 

@@ -31,6 +31,8 @@ import statistics
 import sys
 import time
 
+from _cli import at_least, json_path  # bench/, the script's folder
+
 GIB = 1 << 30
 SHAPE_SMALL = dict(num_layers=4, num_heads=8, hidden_dim=512, num_kv_heads=2)
 # max_out_tokens leaves room for the advance_tokens loops between resets.
@@ -45,7 +47,10 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=int, default=31, help="samples per measurement (median taken)")
     ap.add_argument("--skip-100g", action="store_true", help="skip the 100 GiB release/retake")
     ap.add_argument("--json", help="write the results to this file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    at_least(ap, "--repeat", args.repeat, 1)
+    json_path(ap, args.json)
+    return args
 
 
 def per_call_us(loop, number, repeat, setup=None):

@@ -32,6 +32,8 @@ import statistics
 import sys
 import time
 
+from _cli import at_least, json_path, positive_float  # bench/, the script's folder
+
 GIB = 1 << 30
 MIB = 1 << 20
 TARGET_TIME_RATIO = 1.0   # ours / cudaFree or cudaMalloc, at most
@@ -48,7 +50,12 @@ def parse_args(argv=None):
                     help="size of the keep_contents workspace, GiB (default: min(--gib, 40%% of host memory))")
     ap.add_argument("--repeat", type=int, default=7, help="timed cycles per measurement (median taken)")
     ap.add_argument("--json", help="write the results to this file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    at_least(ap, "--repeat", args.repeat, 1)
+    positive_float(ap, "--gib", args.gib)
+    positive_float(ap, "--keep-gib", args.keep_gib)
+    json_path(ap, args.json)
+    return args
 
 
 def host_memory_bytes():
