@@ -63,7 +63,8 @@ import stat
 from typing import Any, Dict, Iterator, List
 
 from . import _core
-from ._gemm_cache import _BACKENDS, _FORMAT, _VERSION, _entry_from_json, _entry_to_json, _read_cache_file
+from ._gemm_cache import (_BACKENDS, _FORMAT, _VERSION, _cache_path, _entry_from_json, _entry_to_json,
+                          _not_regular, _read_cache_file)
 from ._gemm_tune import _Progress, _problem_key, _tune_shapes
 from .dtypes import BFLOAT16, FLOAT16, FLOAT32, ITEMSIZE, NAMES, dtype_code
 from .errors import ConfigError, _brief
@@ -128,7 +129,8 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
         The context to tune on (the current device's by default).
     cache_file
         A JSON file: loaded first when it exists (problems already in it are not tuned again
-        unless ``force``), and written (merged) afterwards.
+        unless ``force``), and written (merged) afterwards. It is read and checked before the
+        device is looked up; a bad one raises ConfigError naming ``cache_file``.
     progress
         Draw a progress bar on stderr.
     force
@@ -163,12 +165,21 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
                 or value > high):
             raise ConfigError(f"{name}: got {value!r}; it must be an integer in {valid}",
                               argument=name)
+    # The cache file is read and its entries checked before the device is looked up, so that a
+    # bad one is named as such on any machine; they go into the cache once there is a context.
+    file_entries = None
+    if cache_file is not None:
+        with _as_cache_file_error():
+            cache_file = _cache_path(cache_file)
+            if os.path.exists(cache_file):
+                file_entries = _file_entries(cache_file)
+                _check_entries(cache_file, file_entries)
     if ctx is None:
         ctx = _context_of_current_device()
     device = _context_device(ctx)
-    if cache_file is not None and os.path.exists(cache_file):
+    if file_entries is not None:
         with _as_cache_file_error():
-            load_gemm_cache(cache_file)
+            _import_entries(cache_file, file_entries)
     known = {} if flags["force"] else _tuned_problems(device)
 
     results = []
@@ -241,9 +252,10 @@ def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
     one file can serve several machines; the read, the merge and the replacement hold an
     exclusive lock (``flock``) on the file's folder, so that processes saving into one file take
     turns and none loses another's entries (where the file system has no such locks, the merge
-    goes on unlocked). The file is replaced atomically.
+    goes on unlocked). The file is replaced atomically. Only a regular file is: a path naming a
+    FIFO, a device or a folder (or a link to one) raises ConfigError, and nothing is written.
     """
-    path = os.fspath(path)
+    path = _cache_path(path)
     merge = _flag(merge, "merge")
     exported = _core._gemm_cache_export(True)
     entries = [_entry_to_json(e) for e in exported]
@@ -279,6 +291,15 @@ def _folder_lock(path: str) -> Iterator[None]:
 
 
 def _save_entries(path: str, target: str, exported: list, entries: list, merge: bool) -> int:
+    # Only a regular file is replaced: a FIFO or a device node (/dev/null, say, or a link to
+    # one) is left as it is, and nothing is written beside it.
+    try:
+        kind = _not_regular(os.stat(target).st_mode)
+    except OSError:  # none yet (a new file), or a folder the write below names
+        kind = ""
+    if kind:
+        raise ConfigError(f"path: {path} is {kind}, not a regular file; save_gemm_cache writes and replaces "
+                          f"regular files only: give a file name", argument="path")
     if merge and os.path.exists(path):
         kept = _read_cache_file(path)
         hint = "; merge=True keeps the file's entries: mend or remove the file, or pass merge=False to replace it"
@@ -333,19 +354,36 @@ def load_gemm_cache(path: Any) -> int:
     """Loads autotuned GEMM algorithms from a JSON file; returns how many apply here.
 
     Entries made on another GPU model, with another cuBLAS version or for a device this
-    machine lacks are skipped (a file may hold several machines' entries). A malformed file
-    raises ConfigError naming ``path``.
+    machine lacks are skipped (a file may hold several machines' entries). A malformed file,
+    or a path naming anything but a regular file (a FIFO, a device, a folder), raises
+    ConfigError naming ``path``.
     """
-    path = os.fspath(path)
-    entries = _read_cache_file(path)
-    converted = [_entry_from_json(e, path, i) for i, e in enumerate(entries)]
+    path = _cache_path(path)
+    return _import_entries(path, _file_entries(path))
+
+
+def _file_entries(path: str) -> List[Dict[str, Any]]:
+    """path's entries, read and checked, in the form _core._gemm_cache_import takes (no device
+    needed); ConfigError('path') for a malformed file."""
+    return [_entry_from_json(e, path, i) for i, e in enumerate(_read_cache_file(path))]
+
+
+def _check_entries(path: str, converted: List[Dict[str, Any]]) -> None:
+    """The compiled checks that _import_entries makes, without importing anything."""
+    try:
+        _core._gemm_cache_keys(converted)
+    except ConfigError as exc:
+        raise ConfigError(f"path: {path} has an invalid {exc}", argument="path") from None  # "entry i: ..."
+
+
+def _import_entries(path: str, converted: List[Dict[str, Any]]) -> int:
     try:
         taken = _core._gemm_cache_import(converted)
     except ConfigError as exc:
         raise ConfigError(f"path: {path} has an invalid {exc}", argument="path") from exc  # "entry i: ..."
-    if taken < len(entries):
+    if taken < len(converted):
         _log.info("load_gemm_cache: %d of %d entries in %s apply to this machine (the others were "
-                  "tuned on another GPU, cuBLAS version or device)", taken, len(entries), path)
+                  "tuned on another GPU, cuBLAS version or device)", taken, len(converted), path)
     return taken
 
 

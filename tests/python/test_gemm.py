@@ -13,6 +13,9 @@ from __future__ import annotations
 import importlib
 import io
 import json
+import os
+import stat
+import threading
 import types
 
 import numpy as np
@@ -600,6 +603,287 @@ def test_malformed_entries(tuner, tmp_path):
         with pytest.raises(ConfigError) as info:
             gm.load_gemm_cache(path)
         assert info.value.argument == "path" and word in str(info.value), str(info.value)
+
+
+def _within(seconds, call):
+    """call() on a thread: what it returns (or raises), failing the test if it still runs after
+    `seconds` (blocked on a FIFO, say; the thread is a daemon, left behind)."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _unblock(fifo):
+    """Opens a FIFO for writing and closes it: a reader blocked in its open (a test that failed)
+    goes on and reads nothing."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # no reader waiting
+        pass
+
+
+def _private_null(folder):
+    """A character device like /dev/null (1, 3) made in `folder`, or None where this process may
+    not make one (not root, no CAP_MKNOD)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return None
+    node = folder / "null"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except OSError:
+        return None
+    return node
+
+
+def test_cache_files_that_are_not_regular_files_are_refused_without_blocking(tuner, tmp_path):
+    # A FIFO blocks an open for reading until a writer comes, and its read until the writer
+    # goes; a device such as /dev/zero never ends. load (and save's merge, which reads the file
+    # first) refuse them at once, as they refuse a directory.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    null = _private_null(tmp_path)
+    try:
+        for call in (lambda: gm.load_gemm_cache(fifo), lambda: gm.save_gemm_cache(fifo)):
+            with pytest.raises(ConfigError) as info:
+                _within(5, call)
+            assert info.value.argument == "path"
+            assert str(info.value).startswith(f"path: {fifo} is a FIFO, not a regular file; "), str(info.value)
+            assert stat.S_ISFIFO(fifo.stat().st_mode)
+    finally:
+        _unblock(fifo)
+    with pytest.raises(ConfigError) as info:
+        gm.load_gemm_cache(tmp_path)
+    assert info.value.argument == "path" and "is a directory, not a regular file" in str(info.value)
+    if null is not None:  # a private copy of /dev/null: stat'ed, never opened
+        with pytest.raises(ConfigError) as info:
+            _within(5, lambda: gm.load_gemm_cache(null))
+        assert "is a character device, not a regular file" in str(info.value)
+    # A regular file far larger than any cache (sparse: no disk used) is refused unread.
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate((64 << 20) + 1)
+    with pytest.raises(ConfigError) as info:
+        gm.load_gemm_cache(big)
+    assert info.value.argument == "path" and "more than 64 MiB" in str(info.value)
+    with pytest.raises(FileNotFoundError):  # a missing file stays the OSError it always was
+        gm.load_gemm_cache(tmp_path / "missing.json")
+
+
+def test_save_leaves_a_fifo_or_device_node_it_is_given(tuner, tmp_path):
+    # merge=False replaces the file without reading it: a FIFO or a device node (a link to one
+    # too) would be swapped for a regular file. It is refused instead, and nothing is written.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    link.symlink_to(fifo)
+    nodes = [(fifo, stat.S_ISFIFO, "a FIFO"), (link, stat.S_ISFIFO, "a FIFO")]
+    null = _private_null(tmp_path)
+    if null is not None:
+        nodes.append((null, stat.S_ISCHR, "a character device"))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    try:
+        for node, is_kind, kind in nodes:
+            for merge in (False, True):
+                with pytest.raises(ConfigError) as info:
+                    _within(5, lambda: gm.save_gemm_cache(node, merge=merge))
+                assert info.value.argument == "path"
+                assert str(info.value).startswith(f"path: {node} is {kind}, not a regular file; "), str(info.value)
+                assert is_kind(os.stat(node).st_mode)
+        folder = tmp_path / "folder"
+        folder.mkdir()
+        with pytest.raises(ConfigError) as info:
+            gm.save_gemm_cache(folder, merge=False)
+        assert "is a directory, not a regular file" in str(info.value)
+    finally:
+        _unblock(fifo)
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["folder"])
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("path, words", [
+    ("a\x00b", "path: got 'a\\x00b', which holds a NUL character"),
+    ("", "path: got ''; give a file name"),
+    (b"", "path: got ''; give a file name"),
+    (5, "path: got 5 (int); give a file name"),
+    (True, "path: got True (bool); give a file name"),
+    (3.5, "path: got 3.5 (float); give a file name"),
+    (["gemm.json"], "path: got ['gemm.json'] (list); give a file name"),
+    (object(), "(object); give a file name"),
+])
+def test_cache_paths_no_file_can_have(tuner, tmp_path, monkeypatch, path, words):
+    # Each a ConfigError naming `path`, before anything is read or written: "" is no name for
+    # the current folder (realpath('') is the cwd: a save wrote beside it, into its parent),
+    # an int no file descriptor.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    calls = [lambda: gm.load_gemm_cache(path), lambda: gm.save_gemm_cache(path),
+             lambda: gm.save_gemm_cache(path, merge=False)]
+    for call in calls:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == "path"
+        assert words in str(info.value), str(info.value)
+        assert "JSON" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd"] and list(cwd.iterdir()) == []
+
+
+def test_cache_paths_as_bytes_and_path_likes(tuner, tmp_path):
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    assert gm.save_gemm_cache(os.fsencode(tmp_path / "a.json")) == 1
+    assert gm.load_gemm_cache(os.fsencode(tmp_path / "a.json")) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
+
+
+def test_autotune_checks_its_cache_file_before_the_device(tuner, tmp_path, monkeypatch):
+    # Without a GPU the device lookup fails: a bad cache_file must be named before it, as such.
+    # The file's entries are read and checked (Python's and the compiled checks) first; they go
+    # into the cache only once there is a context.
+    from inferctx.errors import NoCudaDeviceError
+
+    def no_device():
+        raise NoCudaDeviceError("no CUDA device (a stand-in)")
+
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    good = gm.gemm_cache_entries()[0]
+
+    def file(name, content):
+        path = tmp_path / name
+        path.write_text(content if isinstance(content, str) else json.dumps(
+            {"format": "inferctx-gemm-cache", "version": 1, "entries": content}))
+        return path
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(gm, "_context_of_current_device", no_device)
+    cases = [(5, "cache_file: got 5 (int); give a file name"), (True, "cache_file: got True (bool)"),
+             (1, "cache_file: got 1 (int)"), (3.5, "cache_file: got 3.5 (float)"),
+             (["x"], "cache_file: got ['x'] (list)"), (object(), "(object); give a file name"),
+             ("\x00", "holds a NUL character"), ("", "cache_file: got ''; give a file name"),
+             (tmp_path, "is a directory, not a regular file"), (fifo, "is a FIFO, not a regular file"),
+             (file("bad.json", "{not json"), "is not JSON"),
+             (file("nan.json", [dict(good, time_ms=float("nan"))]), "entry 0: time_ms is nan"),
+             (file("align.json", [good, dict(good, align=[256, 256, 100])]), "has an invalid entry 1: align_c")]
+    try:
+        for cache_file, words in cases:
+            with pytest.raises(ConfigError) as info:
+                _within(5, lambda: gm.autotune_gemm([(8, 16, 32)], "float16", progress=False,
+                                                    cache_file=cache_file))
+            assert info.value.argument == "cache_file", (cache_file, str(info.value))
+            assert str(info.value).startswith("cache_file: ") and words in str(info.value), str(info.value)
+    finally:
+        _unblock(fifo)
+    # A good file: read before the device, imported after it.
+    path = file("good.json", [good])
+    order = []
+    monkeypatch.setattr(gm, "_context_of_current_device",
+                        lambda: order.append("device") or types.SimpleNamespace(device=0))
+    imported = gm._core._gemm_cache_import
+    monkeypatch.setattr(gm._core, "_gemm_cache_import", lambda e: order.append("import") or imported(e))
+    [r] = gm.autotune_gemm([(8, 16, 32)], "float16", progress=False, cache_file=str(path))
+    assert order == ["device", "import"] and r["skipped"] is True
+    assert tuner.imported[0]["problem"] == tuner.cache[0]["problem"]
+
+
+def test_cache_entry_times_are_finite_milliseconds(tuner, tmp_path):
+    # time_ms is the median tune_gemm measured (>= 0), or -1 for an entry never timed (what the
+    # cache holds for a heuristic one, and an absent field's value). NaN, Infinity (1e400 reads
+    # as Infinity) and other negative times are refused: a save would write them back as
+    # NaN / Infinity, which strict JSON readers refuse.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    good = gm.gemm_cache_entries()[0]
+    path = tmp_path / "gemm.json"
+
+    def write(entry):
+        text = json.dumps({"format": "inferctx-gemm-cache", "version": 1, "entries": [entry]})
+        path.write_text(text)
+        return text
+
+    for value, shown in [(float("nan"), "nan"), (float("inf"), "inf"), (float("-inf"), "-inf"),
+                         (-0.5, "-0.5"), (-2, "-2"), (-1.5, "-1.5")]:
+        text = write(dict(good, time_ms=value))
+        for call in (lambda: gm.load_gemm_cache(path), lambda: gm.save_gemm_cache(path)):
+            with pytest.raises(ConfigError) as info:
+                call()
+            assert info.value.argument == "path"
+            assert f"entry 0: time_ms is {shown}; it must be a finite number of milliseconds >= 0, or -1 " \
+                   f"for an entry never timed" in str(info.value), str(info.value)
+        assert path.read_text() == text  # the merge left it as it was
+    path.write_text(write(dict(good, time_ms=0)).replace('"time_ms": 0', '"time_ms": 1e400'))
+    with pytest.raises(ConfigError) as info:
+        gm.load_gemm_cache(path)
+    assert "time_ms is inf" in str(info.value)
+    for value in (0, 0.0, -1, -1.0, 2.5, 10**6):
+        write(dict(good, time_ms=value))
+        assert gm.load_gemm_cache(path) == 1 and tuner.imported[0]["time_ms"] == float(value)
+    write({k: v for k, v in good.items() if k != "time_ms"})
+    assert gm.load_gemm_cache(path) == 1 and tuner.imported[0]["time_ms"] == -1.0
+    # What the package writes for an entry never timed loads back, and is strict JSON.
+    tuner.cache[0] = dict(tuner.cache[0], time_ms=-1.0)
+    assert gm.save_gemm_cache(path, merge=False) == 1 and gm.load_gemm_cache(path) == 1
+    json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+
+
+def test_cache_entry_messages_clip_what_they_show(tuner, tmp_path):
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    good = gm.gemm_cache_entries()[0]
+    path = tmp_path / "gemm.json"
+    for field, value, words in [("time_ms", 10**400, "time_ms is an integer of 1329 bits"),
+                                ("device_name", list(range(1000)), "device_name is [0, 1, 2,"),
+                                ("dtype", "x" * 5000, "(5,000 characters)"),
+                                ("m", 10**1000, "m is an integer of 3322 bits"),
+                                ("algo", ["0x" + "f" * 5000], "algo word '0xfff"),
+                                ("align", [1] * 2000, "align is [1, 1,")]:
+        path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1,
+                                    "entries": [dict(good, **{field: value})]}))
+        with pytest.raises(ConfigError) as info:
+            gm.load_gemm_cache(path)
+        assert words in str(info.value) and len(str(info.value)) < 400 + len(str(path)), str(info.value)
+
+
+@pytest.mark.parametrize("word, value", [("0x00000000000000ff", 0xFF), ("0xffffffffffffffff", 2**64 - 1),
+                                         ("0xFF", 0xFF), ("0XaB", 0xAB), ("ff", 0xFF), ("0x2", 2),
+                                         ("0x" + "0" * 20 + "1", 1)])
+def test_algo_words_in_hex(tuner, tmp_path, word, value):
+    # As the package writes them ('0x' and 16 lowercase digits), and the other plain hex forms
+    # int(w, 16) took before.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    good = gm.gemm_cache_entries()[0]
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1,
+                                "entries": [dict(good, algo=[word] * 8)]}))
+    assert gm.load_gemm_cache(path) == 1 and tuner.imported[0]["algo"] == [value] * 8
+
+
+@pytest.mark.parametrize("word", [" 0x1 ", "0x1 ", "0x1_0", "1_0", "\u0663", "0x\u0663", "\uff11", "+0x1", "-1",
+                                  "0x", "", "0x1\n", "0x10000000000000000"])
+def test_algo_words_not_in_hex_are_refused(tuner, tmp_path, word):
+    # int(w, 16) takes spaces around the digits, underscores between them, a sign and non-ASCII
+    # digits (Arabic-Indic, fullwidth): none is a word the package writes.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    good = gm.gemm_cache_entries()[0]
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({"format": "inferctx-gemm-cache", "version": 1,
+                                "entries": [dict(good, algo=["0x1"] * 7 + [word])]}))
+    with pytest.raises(ConfigError) as info:
+        gm.load_gemm_cache(path)
+    assert info.value.argument == "path"
+    assert f"entry 0: algo word {word!r} is not a 64-bit hex string" in str(info.value), str(info.value)
 
 
 def test_progress_bar_on_a_terminal():
