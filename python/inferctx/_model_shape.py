@@ -72,6 +72,9 @@ class ModelShape:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"ModelShape is immutable: make a new one instead of setting {name}")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"ModelShape is immutable: make a new one instead of deleting {name}")
+
     def _key(self) -> tuple[int | None, ...]:
         return (self.num_layers, self.num_heads, self.hidden_dim, self.num_kv_heads, self.head_dim,
                 self.num_params)
@@ -130,7 +133,9 @@ def _as_shape(shape: object) -> ModelShape:
     if isinstance(shape, ModelShape):
         return shape
     if isinstance(shape, str):
-        return ModelShape.from_preset(shape)
+        from .presets import _model_info
+
+        return _model_info(shape, "shape").shape
     raise ConfigError(f"shape: got {_brief(shape)}; pass an inferctx.ModelShape or a preset name "
                       f"such as 'llama-2-7b'", argument="shape")
 

@@ -11,23 +11,43 @@ from . import _plan
 from .errors import ConfigError, _brief
 
 POLICIES = {"exact": 0, "deepspeed": 1}
+INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
+# The CUDA runtime takes a device ordinal as a C int: [0, 2**31).
+DEVICE_LIMIT = 1 << 31
+
+
+def _index(value: object, argument: str) -> int:
+    """An integer argument, of any size (bool and floats refused: True is not a count)."""
+    if isinstance(value, bool) or value is None:
+        raise ConfigError(f"{argument}: got {value!r}; it must be an integer", argument=argument)
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{argument}: got {_brief(value)} ({type(value).__name__}); it must be an integer",
+                          argument=argument) from None
 
 
 def _as_int(value: object, argument: str, *, minimum: int | None = None) -> int:
     """An integer argument that fits int64_t (bool and floats refused: True is not a count)."""
-    if isinstance(value, bool) or value is None:
-        raise ConfigError(f"{argument}: got {value!r}; it must be an integer", argument=argument)
-    try:
-        n = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(f"{argument}: got {_brief(value)} ({type(value).__name__}); it must be an integer",
-                          argument=argument) from None
-    if not -(1 << 63) <= n <= INT64_MAX:
+    n = _index(value, argument)
+    if n > INT64_MAX:
         raise ConfigError(f"{argument}: got {_brief(n)}; it must be below 2**63 = {1 << 63:,}",
                           argument=argument)
     if minimum is not None and n < minimum:
-        raise ConfigError(f"{argument}: got {n}; it must be >= {minimum}", argument=argument)
+        raise ConfigError(f"{argument}: got {_brief(n)}; it must be >= {minimum}", argument=argument)
+    if n < INT64_MIN:
+        raise ConfigError(f"{argument}: got {_brief(n)}; it must be >= -2**63 = {INT64_MIN:,}",
+                          argument=argument)
+    return n
+
+
+def _as_device(value: object) -> int:
+    """A device ordinal: an integer in [0, 2**31), the C int the CUDA runtime takes (the words
+    of InferenceContext.instance's check)."""
+    n = _index(value, "device")
+    if not 0 <= n < DEVICE_LIMIT:
+        raise ConfigError(f"device: got {_brief(n)}; it must be a device ordinal >= 0", argument="device")
     return n
 
 
@@ -52,9 +72,26 @@ def _as_fraction(value: object, argument: str = "memory_fraction") -> float | No
     return f
 
 
+# Past this the TiB figure is beyond a float: no byte count comes near it.
+_HUMAN_BYTES_LIMIT = 1 << 1024
+
+
 def human_bytes(n: int) -> str:
-    """1536 -> '1.50 KiB'; binary units (the C++ formatter that every message uses)."""
-    return _plan._human_bytes(n)
+    """1536 -> '1.50 KiB'; binary units (the C++ formatter that every message uses).
+
+    ``n`` is a byte count: an integer (a Python or NumPy int; bool and floats raise TypeError).
+    Counts outside int64, which the C++ formatter cannot take, are formatted here in the same
+    way (TiB, two decimals); beyond 2**1024 in magnitude they raise ConfigError.
+    """
+    if isinstance(n, bool) or not hasattr(type(n), "__index__"):
+        raise TypeError(f"human_bytes: n must be an integer byte count, got {_brief(n)} ({type(n).__name__})")
+    count = operator.index(n)
+    if INT64_MIN <= count <= INT64_MAX:
+        return _plan._human_bytes(count)
+    if not -_HUMAN_BYTES_LIMIT < count < _HUMAN_BYTES_LIMIT:
+        raise ConfigError(f"n: got {_brief(count)}; a byte count must be below 2**1024 in magnitude",
+                          argument="n")
+    return f"{count / (1 << 40):.2f} TiB"  # as the C++ formatter words a count of 1 TiB or more
 
 
 # Users see it, and pickles name it, as inferctx.planning.human_bytes, the module that exports it.

@@ -64,26 +64,38 @@ class Regions(Sequence[Region]):
 
 
 class WorkspacePlan:
-    """The planner's answer: max_tokens, workspace_bytes, regions, budget, and what bound it."""
+    """The planner's answer: max_tokens, workspace_bytes, regions, budget, and what bound it.
+
+    Plans come from plan_workspace and an InferenceContext's gen_workspace; the class is not
+    called directly.
+    """
 
     __slots__ = ("_fields", "_result", "_notes", "shape", "regions")
+    _fields: dict[str, Any]
+    _result: dict[str, Any]
+    _notes: dict[str, str]
+    shape: ModelShape
+    regions: Regions
 
-    def __init__(self, fields: dict[str, Any], result: dict[str, Any], notes: dict[str, str] | None = None,
-                 shape: ModelShape | None = None) -> None:
-        self._fields = dict(fields)
-        self._result = dict(result)
-        self._notes = dict(notes or {})
-        # The model as planned, num_params included; rebuilt from the request when not given
-        # (the request carries no parameter count).
-        self.shape = shape if shape is not None else ModelShape(
-            fields["num_layers"], fields["num_heads"], fields["hidden_dim"],
-            fields["num_kv_heads"] or fields["num_heads"], head_dim=fields["head_dim"] or None)
-        self.regions = Regions(self._result, self.shape.num_layers)
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("WorkspacePlan is not made directly: plans come from inferctx.plan_workspace(...) "
+                        "or an InferenceContext's gen_workspace(...)")
 
     @classmethod
     def _from_result(cls, fields: dict[str, Any], result: dict[str, Any],
                      notes: dict[str, str] | None = None, shape: ModelShape | None = None) -> WorkspacePlan:
-        return cls(fields, result, notes, shape)
+        """A plan from the planner's request and answer (the dicts of inferctx._plan)."""
+        plan = cls.__new__(cls)
+        plan._fields = dict(fields)
+        plan._result = dict(result)
+        plan._notes = dict(notes or {})
+        # The model as planned, num_params included; rebuilt from the request when not given
+        # (the request carries no parameter count).
+        plan.shape = shape if shape is not None else ModelShape(
+            fields["num_layers"], fields["num_heads"], fields["hidden_dim"],
+            fields["num_kv_heads"] or fields["num_heads"], head_dim=fields["head_dim"] or None)
+        plan.regions = Regions(plan._result, plan.shape.num_layers)
+        return plan
 
     # -- the request -------------------------------------------------------------------
     @property

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 from collections.abc import Collection, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__, presets
 from .demo import DemoError, add_demo_parser, run_demo
@@ -24,6 +24,9 @@ from .dtypes import dtype_name
 from .errors import ConfigError, InferCtxError, NoCudaDeviceError, WorkspaceOOMError, _brief
 from .planning import (ModelShape, WorkspacePlan, human_bytes, max_batch_size, max_out_tokens_for,
                        plan_workspace)
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 GIB = 1 << 30
 INT64_MAX = (1 << 63) - 1
@@ -44,9 +47,30 @@ class _UsageError(Exception):
     pass
 
 
+# What argparse is to take for a flag's value rather than a flag: a token that starts like a
+# negative number as float() reads it (-5, -.5, -1e3, -inf, -nan), which the flag's own check
+# then judges. argparse's own pattern takes plain decimals only (-5, -1.5), so `--free-gb -inf`
+# was "expected one argument". Flags are matched first: a real flag is never taken for a value.
+_NEGATIVE_NUMBER = re.compile(r"^-(?:\.?\d|inf|nan)", re.IGNORECASE)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
+
     def error(self, message: str) -> NoReturn:  # one line, exit code 2, no usage dump
         raise _UsageError(_clip_words(message))
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        # argparse drops a failed write (--help, --version into a full disk) and exits 0; on
+        # stdout it is raised here, and main reports it as it does the commands' own output.
+        to_stdout = file is not None and file is sys.stdout
+        if not to_stdout:
+            super()._print_message(message, file)
+        elif message:
+            sys.stdout.write(message)
+            sys.stdout.flush()
 
 
 def _clip_words(message: str, limit: int = 60) -> str:
@@ -113,14 +137,21 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- flag values ---------------------------------------------------------------------------
 
+# A whole number as typed: its sign, and its digits from the first that is not a leading zero.
+_DIGITS = re.compile(r"([+-]?)0*(\d+)")
+
+
 def _int(text: str | None, flag: str, *, minimum: int = 1, default: int | None = None) -> int | None:
     if text is None:
         return default
     digits = text.strip().replace("_", "")
-    if len(digits) > 40 and digits.lstrip("+-").isdigit():  # past int64, and past Python's digit limit
+    number = _DIGITS.fullmatch(digits)
+    if number is not None and len(number.group(2)) > 40:  # past int64, and past Python's digit limit
+        if number.group(1) == "-":  # far below the minimum, not above 2**63
+            raise _UsageError(f"{flag}: got {_brief(text)}; it must be >= {minimum}")
         raise _UsageError(f"{flag}: got {_brief(text)}; it must be below 2**63 = {1 << 63:,}")
-    try:
-        value = int(digits, 10)
+    try:  # leading zeros dropped: they count towards Python's digit limit
+        value = int(number.group(1) + number.group(2) if number is not None else digits, 10)
     except ValueError:
         raise _UsageError(f"{flag}: got {_brief(text)}; it must be a whole number") from None
     if value < minimum:
@@ -222,7 +253,7 @@ def _shape(args: argparse.Namespace) -> tuple[ModelShape, str]:
         if given:
             raise _UsageError(f"give either --preset or --layers/--heads/--hidden, not both (got --preset "
                               f"and {', '.join(given)})")
-        info = presets.model_info(args.preset)
+        info = presets._model_info(args.preset, "preset")
         shape = info.shape
         changes: dict[str, Any] = {}
         if kv is not None:
@@ -254,7 +285,7 @@ def _memory(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         raise _UsageError(f"give either --device or --free-gb/--total-gb, not both (got --device and "
                           f"{', '.join(figures)})")
     if args.gpu is not None:
-        g = presets.gpu_preset(args.gpu)
+        g = presets._gpu_preset(args.gpu, "gpu")
         return {"gpu": g}, g.name
     if figures:
         if args.free_gb is None:

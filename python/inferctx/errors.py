@@ -40,7 +40,11 @@ class InferCtxError(Exception):
         return cls(message + _REMEDIES.get(remedy, "").format(device=remedy_device), **fields)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), self.message, {n: getattr(self, n) for n in self._fields}))
+        # The fields rebuild the error through its constructor; what else its __dict__ holds
+        # (add_note's __notes__, attributes set on it) is restored after, as for any exception.
+        fields = {n: getattr(self, n) for n in self._fields}
+        extra = {k: v for k, v in self.__dict__.items() if k not in fields}
+        return (_rebuild, (type(self), self.message, fields), extra or None)
 
 
 def _rebuild(cls: type[InferCtxError], message: str, fields: dict[str, Any]) -> InferCtxError:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 
 from . import _plan, dtypes
 from ._model_shape import ModelShape, _as_shape
-from ._plan_args import POLICIES, _as_fraction, _as_int, _as_opt_int, human_bytes
+from ._plan_args import POLICIES, _as_device, _as_fraction, _as_int, _as_opt_int, human_bytes
 from ._workspace_plan import Region, Regions, WorkspacePlan  # noqa: F401  (Regions: plans' pickles name it here)
 from .errors import ConfigError, NoCudaDeviceError, WorkspaceOOMError, _brief
 
@@ -70,7 +70,7 @@ def _request_fields(shape: object, *, batch_size: object, prompt_len: object, ma
 def _device_memory(device: object) -> tuple[int, int]:
     from . import _core
 
-    dev = _core._current_device() if device is None else _as_int(device, "device", minimum=0)
+    dev = _core._current_device() if device is None else _as_device(device)
     free, total = _core._memory_info(dev)
     return int(free), int(total)
 
@@ -91,7 +91,12 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
         if free_bytes is not None or total_bytes is not None or device is not None:
             raise ConfigError("gpu: give either gpu= (a GPU preset) or free_bytes=/total_bytes=/device=, "
                               "not both", argument="gpu")
-        preset = gpu if isinstance(gpu, presets.GpuPreset) else presets.gpu_preset(gpu)  # type: ignore[arg-type]
+        preset = gpu if isinstance(gpu, presets.GpuPreset) else presets._gpu_preset(gpu, "gpu")
+        if preset.total_mib <= presets.CUDA_OVERHEAD_MIB:
+            raise ConfigError(f"gpu: GPU preset {_brief(preset.name)} has total_mib={preset.total_mib}, not more "
+                              f"than the {presets.CUDA_OVERHEAD_MIB} MiB the CUDA driver, context and cuBLAS "
+                              f"take (presets.CUDA_OVERHEAD_MIB): no memory is left to plan against",
+                              argument="gpu")
         free_bytes, total_bytes = preset.free_bytes, preset.total_bytes
         notes["memory"] = (f"GPU preset {preset.name}: total less {presets.CUDA_OVERHEAD_MIB} MiB for the "
                            f"CUDA driver, context and cuBLAS")
@@ -116,7 +121,7 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
                              reserve_bytes=reserve_bytes, memory_limit_bytes=memory_limit_bytes,
                              memory_fraction=memory_fraction)
     if device is not None:
-        _as_int(device, "device", minimum=0)
+        _as_device(device)
     _plan._check(fields)  # argument errors before any device is read
     _check_given_memory(fields, free_given=free_bytes is not None, total_given=total_bytes is not None)
     if weights_bytes == "auto":
@@ -254,7 +259,7 @@ def plan_workspace(shape: ModelShape | str, *, batch_size: int, prompt_len: int,
                                 free_bytes=exc.free_bytes, total_bytes=exc.total_bytes,
                                 budget_bytes=exc.budget_bytes, max_batch_size=exc.max_batch_size,
                                 max_out_tokens=exc.max_out_tokens) from None
-    return WorkspacePlan(fields, result, notes, shape=_as_shape(shape))
+    return WorkspacePlan._from_result(fields, result, notes, shape=_as_shape(shape))
 
 
 # Past this many heads (no real model's) the mp_size hint is left out: finding the divisors of

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -92,13 +93,38 @@ CUDA_OVERHEAD_MIB = 1244
 CUDA_OVERHEAD_BYTES = CUDA_OVERHEAD_MIB << 20
 
 
+# The most MiB whose byte count fits int64_t, the planner's byte counts.
+_MAX_TOTAL_MIB = ((1 << 63) - 1) >> 20
+
+
 @dataclass(frozen=True)
 class GpuPreset:
-    """A GPU's memory: nvidia-smi's total (MiB) and what is free for planning on it."""
+    """A GPU's memory: nvidia-smi's total (MiB) and what is free for planning on it.
+
+    ``name`` and ``description`` are strings, ``total_mib`` a positive integer (a NumPy integer is
+    taken as its int; bool and floats are refused). Planning against one needs ``total_mib`` above
+    CUDA_OVERHEAD_MIB.
+    """
 
     name: str
     description: str
     total_mib: int
+
+    def __post_init__(self) -> None:
+        for field in ("name", "description"):
+            value = getattr(self, field)
+            if not isinstance(value, str):
+                raise ConfigError(f"{field}: got {_brief(value)} ({type(value).__name__}); it must be a string",
+                                  argument=field)
+        mib: object = self.total_mib
+        if isinstance(mib, bool) or not hasattr(type(mib), "__index__"):
+            raise ConfigError(f"total_mib: got {_brief(mib)} ({type(mib).__name__}); it must be a whole number "
+                              f"of MiB", argument="total_mib")
+        total = operator.index(mib)  # type: ignore[arg-type]
+        if not 1 <= total <= _MAX_TOTAL_MIB:
+            raise ConfigError(f"total_mib: got {_brief(total)}; it must be a number of MiB in [1, "
+                              f"{_MAX_TOTAL_MIB:,}] (its byte count below 2**63)", argument="total_mib")
+        object.__setattr__(self, "total_mib", total)  # a NumPy integer as the int it stands for
 
     @property
     def total_bytes(self) -> int:
@@ -135,10 +161,22 @@ def _lookup(table: dict[str, Any], name: object, kind: str, argument: str) -> An
     return table[key]
 
 
+def _model_info(name: object, argument: str) -> ModelPreset:
+    """A model preset by name; an unknown one is a ConfigError naming `argument`, the caller's
+    keyword (or the command's flag) that gave the name."""
+    entry: ModelPreset = _lookup(_MODELS, name, "model", argument)
+    return entry
+
+
+def _gpu_preset(name: object, argument: str) -> GpuPreset:
+    """A GPU preset by name; an unknown one is a ConfigError naming `argument`."""
+    entry: GpuPreset = _lookup(_GPUS, name, "GPU", argument)
+    return entry
+
+
 def model_info(name: str) -> ModelPreset:
     """Every published figure of a model preset (case-insensitive, e.g. 'llama-2-70b')."""
-    entry: ModelPreset = _lookup(_MODELS, name, "model", "preset")
-    return entry
+    return _model_info(name, "name")
 
 
 def model_preset(name: str) -> ModelShape:
@@ -153,5 +191,4 @@ def model_source(name: str) -> str:
 
 def gpu_preset(name: str) -> GpuPreset:
     """A GPU memory preset (case-insensitive, e.g. 'h100-80gb', 'h200')."""
-    entry: GpuPreset = _lookup(_GPUS, name, "GPU", "gpu")
-    return entry
+    return _gpu_preset(name, "name")

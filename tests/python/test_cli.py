@@ -741,3 +741,80 @@ def test_no_weights_with_a_gpu_preset_say_they_live_elsewhere(capsys):
                          "  weights    none counted: free memory is taken as read with the weights already loaded\n")):
         code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", *flags)
         assert code == 0 and line in out, (flags, out)
+
+
+@pytest.mark.parametrize("device", ["2147483648", "99999999999", str(2**63 - 1)])
+def test_a_device_past_a_c_int_is_one_line_exit_2(capsys, device):
+    # Checked before the device is read: no traceback, on a machine with a GPU or without.
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--device", device)
+    assert code == 2 and out == ""
+    assert err == f"inferctx: ConfigError: --device: got {device}; it must be a device ordinal >= 0\n"
+
+
+@pytest.mark.parametrize("argv", [["plan", "--help"], ["--help"], ["--version"]])
+def test_help_and_version_into_a_full_disk_are_one_line_exit_2(argv):
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "inferctx", *argv], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=120)
+    assert done.returncode == 2 and done.stderr == (
+        "inferctx: could not write the output: No space left on device\n"), (argv, done.stderr)
+
+
+def test_help_and_version_report_a_failed_write(monkeypatch, capsys):
+    import errno
+
+    class Full(io.StringIO):
+        def write(self, s):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def fileno(self):
+            raise OSError("no file descriptor")
+
+    for argv in (["--version"], ["plan", "--help"]):
+        monkeypatch.setattr(sys, "stdout", Full())
+        assert main(argv) == 2
+        assert capsys.readouterr().err == "inferctx: could not write the output: No space left on device\n"
+    # a reader that stops early (`inferctx plan --help | head -1`) ends quietly, as for the commands
+    class ClosedPipe(Full):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["plan", "--help"]) == 0 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("flags,message", [
+    # values that start like negative numbers are the flag's value, judged by its own check
+    (["--free-gb", "-inf"], "error: --free-gb: got '-inf'; it must be a finite number"),
+    (["--free-gb", "-Infinity"], "error: --free-gb: got '-Infinity'; it must be a finite number"),
+    (["--free-gb", "-nan"], "error: --free-gb: got '-nan'; it must be a finite number"),
+    (["--free-gb", "-1e5"], "error: --free-gb: got '-1e5'; it must be a number of GiB (>= 0)"),
+    (["--free-gb", "8", "--reserve-gb", "-2E-3"],
+     "error: --reserve-gb: got '-2E-3'; it must be a number of GiB (>= 0)"),
+    (["--free-gb", "8", "--memory-fraction", "-1e-3"],
+     "error: --memory-fraction: got '-1e-3'; it must be in (0, 1], a fraction of free memory"),
+    (["--gpu", "h200", "--batch", "-1e3"], "error: --batch: got '-1e3'; it must be a whole number"),
+    # a flag is still a flag
+    (["--gpu", "h200", "--batch", "--json"], "error: argument --batch: expected one argument"),
+    (["--gpu", "h200", "-inf"], "error: unrecognized arguments: -inf"),
+])
+def test_negative_number_like_values_reach_their_flag(capsys, flags, message):
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", *flags)
+    assert code == 2 and out == "" and err == f"inferctx: {message}\n"
+
+
+def test_long_whole_numbers_are_judged_by_their_value(capsys):
+    # Far below the flag's minimum is said so (not "below 2**63"); leading zeros are no digits.
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "-" + "9" * 50)
+    assert code == 2 and out == ""
+    assert err == "inferctx: error: --batch: got '-" + "9" * 50 + "'; it must be >= 1\n"
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--rank", "-" + "9" * 5000)
+    assert code == 2 and err.endswith(" (5,001 characters); it must be >= 0\n") and len(err) < 200
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "0" * 5000 + "4",
+                       "--json")
+    assert code == 0 and json.loads(out)["request"]["batch_size"] == 4

@@ -128,3 +128,18 @@ def test_remedies_are_worded_by_the_python_classes(remedy, device, part):
 def test_no_remedy_leaves_the_message_as_it_is():
     e = errors.ConfigError._from_core("p: got 2; it must be in [0, 1)", 0, None, argument="p")
     assert str(e) == "p: got 2; it must be in [0, 1)" and e.argument == "p"
+
+
+@pytest.mark.parametrize("cls,fields,bases", CASES)
+def test_pickle_keeps_notes_and_attributes(cls, fields, bases):
+    # As a plain exception does: add_note's notes and attributes set on the error come back too.
+    e = cls("what is wrong", **fields)
+    e.add_note("while planning rank 3")
+    e.request_id = "r-17"
+    clone = pickle.loads(pickle.dumps(e))
+    assert type(clone) is cls and str(clone) == "what is wrong"
+    assert clone.__notes__ == ["while planning rank 3"] and clone.request_id == "r-17"
+    assert {k: getattr(clone, k) for k in fields} == fields
+    # one without either pickles as before: nothing beyond its fields
+    plain = pickle.loads(pickle.dumps(cls("what is wrong", **fields)))
+    assert not hasattr(plain, "__notes__") and set(vars(plain)) == set(cls._fields)

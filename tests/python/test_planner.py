@@ -262,7 +262,7 @@ def test_deepspeed_policy_refuses_exact_only_knobs():
 def test_unknown_preset():
     with pytest.raises(ConfigError) as info:
         plan_workspace("llama-9-1t", **BASE)
-    assert "llama-2-7b" in str(info.value) and info.value.argument == "preset"
+    assert "llama-2-7b" in str(info.value) and info.value.argument == "shape"  # the keyword that named it
 
 
 def test_dtypes_accept_strings_numpy_and_torch_like():
@@ -717,3 +717,131 @@ def test_the_most_tokens_a_context_holds_count_its_mapping_granularity():
         with pytest.raises(WorkspaceOOMError):
             _granular_plan(shape, most + 1, free, granule)
     assert fewer > 0  # the granularity made a difference at some of these sizes
+
+
+def test_a_model_shape_cannot_be_deleted_from():
+    # `del` is refused as assignment is: the shape, its hash and a plan of it stay as they were.
+    s = ModelShape(2, 4, 64)
+    key = hash(s)
+    with pytest.raises(AttributeError, match=r"^ModelShape is immutable: make a new one instead of deleting "
+                                             r"num_kv_heads$"):
+        del s.num_kv_heads
+    assert s.num_kv_heads == 4 and hash(s) == key and s == ModelShape(2, 4, 64)
+    preset = inferctx.model_preset("llama-2-7b")
+    with pytest.raises(AttributeError, match="ModelShape is immutable"):
+        del preset.num_params
+    assert plan_workspace(preset, gpu="h200", **{k: BASE[k] for k in ("batch_size", "prompt_len",
+                                                                      "max_out_tokens")}).weights_bytes > 0
+
+
+@pytest.mark.parametrize("device,shown", [
+    (2**31, "2147483648"),           # the first past a C int, which the CUDA runtime takes
+    (99_999_999_999, "99999999999"),
+    (2**63 - 1, "9223372036854775807"),
+    (2**63, "9223372036854775808"),
+    (-1, "-1"),
+    (-(2**63) - 1, "-9223372036854775809"),
+])
+def test_a_device_ordinal_past_a_c_int_is_a_config_error(device, shown):
+    # Checked before any device is read, in InferenceContext.instance's words, for each entry point.
+    request = dict(prompt_len=1, min_out_tokens=1, device=device)
+    for call in (lambda: plan_workspace("llama-2-7b", batch_size=1, max_out_tokens=8, **request),
+                 lambda: inferctx.max_batch_size("llama-2-7b", max_out_tokens=8, **request),
+                 lambda: inferctx.max_out_tokens_for("llama-2-7b", batch_size=1, **request)):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == "device"
+        assert str(info.value) == f"device: got {shown}; it must be a device ordinal >= 0"
+    from inferctx import planning
+
+    with pytest.raises(ConfigError) as info:
+        planning._device_memory(device)
+    assert info.value.argument == "device"
+
+
+def test_a_numpy_device_ordinal_past_a_c_int_is_a_config_error():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=8, device=np.int64(2**31))
+    assert info.value.argument == "device"
+    assert str(info.value) == "device: got 2147483648; it must be a device ordinal >= 0"
+
+
+def test_human_bytes_takes_integers_only():
+    from inferctx.planning import human_bytes
+
+    np = pytest.importorskip("numpy")
+    for value in (1.9, 5.0, np.float64(5.0), True, False, "1", None):
+        with pytest.raises(TypeError, match=r"^human_bytes: n must be an integer byte count, got "):
+            human_bytes(value)
+    assert human_bytes(np.int64(1536)) == human_bytes(1536) == "1.50 KiB"
+    assert human_bytes(np.uint64(2**64 - 1)) == "16777216.00 TiB"
+
+
+def test_human_bytes_formats_counts_outside_int64():
+    from inferctx.planning import human_bytes
+
+    # The C++ formatter's own figures at the ends of int64, and the same wording past them.
+    assert human_bytes(2**63 - 1) == human_bytes(2**63) == "8388608.00 TiB"
+    assert human_bytes(-(2**63)) == human_bytes(-(2**63) - 1) == "-8388608.00 TiB"
+    assert human_bytes(2**64) == "16777216.00 TiB" and human_bytes(3 * 2**70) == "3221225472.00 TiB"
+    for value in (2**1024, -(2**1024), 10**5000):
+        with pytest.raises(ConfigError) as info:
+            human_bytes(value)
+        assert info.value.argument == "n" and str(info.value).endswith(
+            "; a byte count must be below 2**1024 in magnitude")
+        assert len(str(info.value)) < 200
+
+
+def test_an_unknown_preset_given_as_the_model_names_shape():
+    # The keyword that carried the name: `shape` for the planner's entry points.
+    for call in (lambda: plan_workspace("nope", gpu="h200", **{k: BASE[k] for k in ("batch_size", "prompt_len",
+                                                                                    "max_out_tokens")}),
+                 lambda: inferctx.max_batch_size("nope", max_out_tokens=8, **H100),
+                 lambda: inferctx.max_out_tokens_for(shape="nope", batch_size=1, **H100)):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == "shape"
+        assert str(info.value).startswith("shape: unknown model preset 'nope'; valid: llama-2-7b, ")
+    with pytest.raises(ConfigError) as info:
+        ModelShape.from_preset(name="nope")
+    assert info.value.argument == "name" and str(info.value).startswith("name: unknown model preset 'nope'; ")
+    with pytest.raises(ConfigError) as info:  # gpu= still names gpu
+        plan_workspace("llama-2-7b", gpu="nope", batch_size=1, prompt_len=1, max_out_tokens=8)
+    assert info.value.argument == "gpu" and str(info.value).startswith("gpu: unknown GPU preset 'nope'; ")
+
+
+def test_integers_below_int64_say_the_lower_bound():
+    kw = dict(prompt_len=1, max_out_tokens=8, gpu="h200")
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-2-7b", batch_size=-(2**63) - 1, **kw)
+    assert info.value.argument == "batch_size"
+    assert str(info.value) == ("batch_size: got -9223372036854775809; it must be >= -2**63 = "
+                               "-9,223,372,036,854,775,808")
+    with pytest.raises(ConfigError) as info:
+        ModelShape(-(10**5000), 1, 1)  # past Python's digit limit: described by its size
+    assert str(info.value) == ("num_layers: got an integer of 16610 bits; it must be >= -2**63 = "
+                               "-9,223,372,036,854,775,808")
+    # an argument with its own minimum says that one
+    with pytest.raises(ConfigError) as info:
+        ModelShape(2, 4, 64, num_params=-(2**64))
+    assert str(info.value) == "num_params: got -18446744073709551616; it must be >= 0"
+    # above int64, as before
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-2-7b", batch_size=2**63, **kw)
+    assert str(info.value) == "batch_size: got 9223372036854775808; it must be below 2**63 = 9,223,372,036,854,775,808"
+
+
+def test_a_workspace_plan_is_not_made_directly():
+    for args in (({}, {}), ()):
+        with pytest.raises(TypeError) as info:
+            inferctx.WorkspacePlan(*args)
+        assert str(info.value) == ("WorkspacePlan is not made directly: plans come from inferctx.plan_workspace(...) "
+                                   "or an InferenceContext's gen_workspace(...)")
+    # the package's own plans are made, compared, copied and pickled as before
+    p = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=8, gpu="h200")
+    assert isinstance(p, inferctx.WorkspacePlan) and p.max_tokens == 8
+    assert pickle.loads(pickle.dumps(p)) == p and pickle.loads(pickle.dumps(p)).regions == p.regions
+    import copy
+
+    assert copy.deepcopy(p) == p and str(copy.copy(p)) == str(p)

@@ -168,7 +168,7 @@ def test_names_case_insensitive_and_underscores():
 def test_unknown_gpu():
     with pytest.raises(ConfigError) as info:
         gpu_preset("tpu-v5")
-    assert "h200" in str(info.value) and info.value.argument == "gpu"
+    assert "h200" in str(info.value) and info.value.argument == "name"  # gpu_preset's keyword
 
 
 def test_unknown_name_is_clipped_in_the_message():
@@ -177,7 +177,7 @@ def test_unknown_name_is_clipped_in_the_message():
     assert len(str(info.value)) < 1000 and "1,000,000 characters" in str(info.value)
     with pytest.raises(ConfigError) as info:
         model_preset(42)  # not a string
-    assert info.value.argument == "preset"
+    assert info.value.argument == "name"  # model_preset's keyword
 
 
 def test_every_preset_plans_on_h200_with_its_weights():
@@ -198,3 +198,70 @@ def test_every_preset_plans_on_h200_with_its_weights():
     # In fp16 only Llama-3.1-405B (811.7 GB) and BLOOM-176B (352.5 GB) are larger than the H200's
     # 139.19 GiB = 149,450,391,552 B free; Qwen2-72B's 145.4 GB and Llama-3-70B's 141.1 GB fit.
     assert sorted(too_big) == ["bloom-176b", "llama-3.1-405b"]
+
+
+@pytest.mark.parametrize("call", [
+    lambda: model_preset("nope"), lambda: model_preset(name="nope"), lambda: model_info("nope"),
+    lambda: inferctx.presets.model_source("nope"), lambda: gpu_preset("nope"), lambda: gpu_preset(name=42),
+])
+def test_unknown_names_name_the_keyword(call):
+    # model_preset, model_info, model_source and gpu_preset take the name as `name`
+    with pytest.raises(ConfigError) as info:
+        call()
+    assert info.value.argument == "name" and str(info.value).startswith("name: unknown ")
+
+
+@pytest.mark.parametrize("args,argument,message", [
+    (("mine", "x", 1.5), "total_mib", "total_mib: got 1.5 (float); it must be a whole number of MiB"),
+    (("mine", "x", True), "total_mib", "total_mib: got True (bool); it must be a whole number of MiB"),
+    (("mine", "x", "80"), "total_mib", "total_mib: got '80' (str); it must be a whole number of MiB"),
+    (("mine", "x", 0), "total_mib", "total_mib: got 0; it must be a number of MiB in [1, 8,796,093,022,207] "
+                                    "(its byte count below 2**63)"),
+    (("mine", "x", 2**43), "total_mib", "total_mib: got 8796093022208; it must be a number of MiB in "
+                                        "[1, 8,796,093,022,207] (its byte count below 2**63)"),
+    ((None, "x", 80), "name", "name: got None (NoneType); it must be a string"),
+    (("mine", 7, 80), "description", "description: got 7 (int); it must be a string"),
+])
+def test_a_gpu_preset_checks_its_fields(args, argument, message):
+    from inferctx.presets import GpuPreset
+
+    with pytest.raises(ConfigError) as info:
+        GpuPreset(*args)
+    assert info.value.argument == argument and str(info.value) == message
+
+
+def test_a_gpu_preset_takes_a_numpy_integer_as_its_int():
+    np = pytest.importorskip("numpy")
+    from inferctx.presets import GpuPreset
+
+    g = GpuPreset("mine", "x", np.int64(40960))
+    assert type(g.total_mib) is int and g == GpuPreset("mine", "x", 40960)
+    assert g.free_bytes == gpu_preset("a100-40gb").free_bytes == (40960 - 1244) << 20
+    largest = GpuPreset("mine", "x", ((1 << 63) - 1) >> 20)
+    assert largest.total_bytes < 1 << 63
+
+
+@pytest.mark.parametrize("mib", [1, 1000, 1244])
+def test_a_gpu_preset_without_memory_past_the_cuda_overhead_names_gpu(mib):
+    # Not free_bytes (a figure the caller never gave): the preset, by its keyword.
+    from inferctx.presets import GpuPreset
+
+    with pytest.raises(ConfigError) as info:
+        inferctx.plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=8,
+                                gpu=GpuPreset("mine", "x", mib))
+    assert info.value.argument == "gpu"
+    assert str(info.value) == (f"gpu: GPU preset 'mine' has total_mib={mib}, not more than the 1244 MiB the CUDA "
+                               f"driver, context and cuBLAS take (presets.CUDA_OVERHEAD_MIB): no memory is left "
+                               f"to plan against")
+
+
+def test_a_custom_gpu_preset_plans_like_a_built_in_one():
+    from inferctx.presets import GpuPreset
+
+    kw = dict(batch_size=1, prompt_len=1, max_out_tokens=8)
+    mine = inferctx.plan_workspace("llama-2-7b", gpu=GpuPreset("mine", "x", 143771), **kw)
+    h200 = inferctx.plan_workspace("llama-2-7b", gpu="h200", **kw)
+    assert mine.to_dict()["plan"] == h200.to_dict()["plan"] and mine.memory_source.startswith("GPU preset mine")
+    # 1245 MiB: 1 MiB free, far below the weights: the planner's own reason, not an argument error
+    with pytest.raises(inferctx.WorkspaceOOMError):
+        inferctx.plan_workspace("llama-2-7b", gpu=GpuPreset("mine", "x", 1245), **kw)
