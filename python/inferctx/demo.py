@@ -19,6 +19,8 @@ import statistics
 import sys
 from typing import Any
 
+from .errors import _brief
+
 __all__ = ["add_demo_parser", "run_demo", "DemoError"]
 
 INSTALL = "pip install 'inferctx[demo]'"
@@ -40,34 +42,47 @@ def _flag_terms(message: str) -> str:
     return re.sub(r"(?<![\w-])(" + "|".join(names) + r")(?![\w])", lambda m: _FLAGS[m.group(1)], message)
 
 
-def _positive(text: str) -> int:
+def _whole(text: str, low: int, high: int, valid: str) -> int:
+    """A whole number in [low, high]; ArgumentTypeError saying `valid` otherwise. A number too long
+    for int() (over 4300 digits) is described by its size, not taken for a non-number."""
+    digits = text.strip().replace("_", "")
+    sign = digits[:1] if digits[:1] in "+-" else ""
+    if len(digits) - len(sign) > 40 and digits[len(sign):].isdigit():  # past int64, and maybe past int()'s limit
+        size = f"{len(digits) - len(sign):,}-digit number"
+        if sign == "-":
+            raise argparse.ArgumentTypeError(f"got a negative {size}; it must be >= {low}")
+        raise argparse.ArgumentTypeError(f"got a {size}; it is too large: {valid}")
     try:
-        value = int(text.strip().replace("_", ""), 10)
+        value = int(digits, 10)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text[:60]!r}; it must be a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"got {value}; it must be >= 1")
+        raise argparse.ArgumentTypeError(f"got {_brief(text)}; it must be a whole number") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"got {value}; it must be >= {low}")
+    if value > high:
+        raise argparse.ArgumentTypeError(f"got {value}; it is too large: {valid}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _whole(text, 1, (1 << 63) - 1, "it must be below 2**63 = 9,223,372,036,854,775,808")
+
+
+def _device(text: str) -> int:
+    return _whole(text, 0, (1 << 31) - 1, "it must be a device ordinal below 2**31")
 
 
 def _probability(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text[:60]!r}; it must be a number in [0, 1)") from None
+        raise argparse.ArgumentTypeError(f"got {_brief(text)}; it must be a number in [0, 1)") from None
     if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"got {text[:60]}; it must be in [0, 1)")
+        raise argparse.ArgumentTypeError(f"got {_brief(text.strip())}; it must be in [0, 1)")
     return value
 
 
 def _seed(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text[:60]!r}; it must be a whole number") from None
-    if not 0 <= value < 1 << 63:
-        raise argparse.ArgumentTypeError(f"got {value}; it must be in 0..2**63-1")
-    return value
+    return _whole(text, 0, (1 << 63) - 1, "it must be in 0..2**63-1")
 
 
 def add_demo_parser(sub: Any) -> None:
@@ -92,7 +107,7 @@ def add_demo_parser(sub: Any) -> None:
     d.add_argument("--seed", type=_seed, default=0, metavar="N", help="weights' and prompt's seed (default 0)")
     d.add_argument("--dropout", type=_probability, default=0.0, metavar="P",
                    help="MC-dropout probability on each block's output (default 0: none)")
-    d.add_argument("--device", type=int, default=0, metavar="N", help="CUDA device (default 0)")
+    d.add_argument("--device", type=_device, default=0, metavar="N", help="CUDA device (default 0)")
     d.add_argument("--no-graph", action="store_true", help="run every decode step eagerly")
     d.add_argument("--compare-hf", action="store_true", help="also run transformers' generate and compare")
     d.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -131,6 +146,68 @@ def _require_gpu(torch: Any, device: int) -> None:
         raise DemoError(f"--device: got {device}; valid: 0..{count - 1}")
 
 
+def _check_sizes(spec: Any, args: argparse.Namespace) -> int:
+    """What can be checked without a GPU, before anything is imported or built: the request's
+    token and byte counts fit 64 bits (ConfigError in the decoder's terms), and the model's
+    weights and workspace fit them too (DemoError). Returns the weights' bytes in the dtype."""
+    from .decoder._spec import INT64_MAX, _check_request, dtype_name
+    from .dtypes import ITEMSIZE, dtype_code
+    from .errors import WorkspaceOOMError
+    from .planning import human_bytes, plan_workspace
+
+    dtype = dtype_name(args.dtype)
+    _check_request(spec, args.batch, args.prompt_len, args.new_tokens, dtype)
+    weights = int(spec.num_params) * ITEMSIZE[dtype_code(dtype)]
+    sizes = "--layers, --hidden, --vocab or --intermediate"
+    if weights > INT64_MAX:
+        raise DemoError(f"the model has {spec.num_params:,} parameters: in {dtype} its weights need more than "
+                        f"2**63 bytes; give a smaller {sizes}")
+    total = args.prompt_len + args.new_tokens
+    try:
+        plan_workspace(spec.model_shape(), batch_size=args.batch, prompt_len=args.prompt_len, max_out_tokens=total,
+                       min_out_tokens=total, dtype=dtype, free_bytes=INT64_MAX, total_bytes=INT64_MAX,
+                       weights_bytes=weights)
+    except WorkspaceOOMError:
+        raise DemoError(f"the model's weights ({human_bytes(weights)} in {dtype}) and its workspace need more than "
+                        f"2**63 bytes; give a smaller {sizes}, --batch or --new-tokens") from None
+    return weights
+
+
+def _device_memory(device: int) -> tuple[Any, int, int]:
+    """The device's context (made first: its own memory is then taken), and free and total memory."""
+    from .context import InferenceContext
+    from .planning import _device_memory as memory
+
+    ctx = InferenceContext.instance(device)
+    free, total = memory(device)
+    return ctx, free, total
+
+
+def _check_device(spec: Any, args: argparse.Namespace, weights: int, free: int, total: int,
+                  granularity: int) -> None:
+    """The plan ReferenceDecoder will make, made before the model is built: the weights (in the
+    dtype) taken from the free memory, the rest for the workspace; DemoError in the flags' terms
+    where it does not fit (a model too large for the device is never built)."""
+    from .decoder._decoder import _too_long
+    from .decoder._spec import dtype_name
+    from .errors import WorkspaceOOMError
+    from .planning import human_bytes, plan_workspace
+
+    dtype = dtype_name(args.dtype)
+    if weights >= free:
+        smaller = ", or --dtype float16" if dtype == "float32" else ""
+        raise DemoError(f"the model's weights need {human_bytes(weights)} in {dtype}, and cuda:{args.device} has "
+                        f"{human_bytes(free)} free; give a smaller --layers, --hidden, --vocab or "
+                        f"--intermediate{smaller}")
+    n = args.prompt_len + args.new_tokens
+    try:
+        plan_workspace(spec.model_shape(), batch_size=args.batch, prompt_len=args.prompt_len, max_out_tokens=n,
+                       min_out_tokens=n, dtype=dtype, free_bytes=free - weights, total_bytes=total)
+    except WorkspaceOOMError as exc:
+        worded = _too_long(exc, spec, args.batch, args.prompt_len, args.new_tokens, dtype, granularity)
+        raise DemoError(_flag_terms(str(worded))) from None
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Runs `inferctx demo`; DemoError (status 2) when torch, transformers or a GPU is missing."""
     from .decoder import model_spec
@@ -142,17 +219,18 @@ def run_demo(args: argparse.Namespace) -> int:
         if spec.arch == "gpt2" and args.prompt_len + args.new_tokens > spec.max_positions:
             raise ConfigError(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} passes "
                               f"GPT-2's {spec.max_positions} positions")
+        weights = _check_sizes(spec, args)
     except ConfigError as exc:
         raise DemoError(_flag_terms(str(exc))) from None
     torch, _ = _requirements()
     _require_gpu(torch, args.device)
-    from .context import InferenceContext
     from .decoder import ReferenceDecoder, build_hf_model
 
     torch.cuda.set_device(args.device)
     device = torch.device("cuda", args.device)
+    ctx, free, total = _device_memory(args.device)
+    _check_device(spec, args, weights, free, total, int(getattr(ctx, "allocation_granularity", 0)))
     hf = build_hf_model(spec, seed=args.seed)
-    ctx = InferenceContext.instance(args.device)
     try:
         dec = ReferenceDecoder(hf, batch_size=args.batch, prompt_len=args.prompt_len,
                                max_new_tokens=args.new_tokens, dtype=args.dtype, ctx=ctx, dropout=args.dropout,

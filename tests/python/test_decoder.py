@@ -117,6 +117,83 @@ def test_model_specs():
         assert e.value.argument == "model" and "valid: gpt2" in str(e.value)
 
 
+@pytest.mark.parametrize("argv,words", [
+    # argparse's type=int took any int: the bad ordinal waited behind the GPU check
+    (["--device", "-1"], "argument --device: got -1; it must be >= 0"),
+    (["--device", "2147483648"], "argument --device: got 2147483648; it is too large: it must be a device "
+                                 "ordinal below 2**31"),
+    (["--layers", str(10 ** 25)], f"argument --layers: got {10 ** 25}; it is too large: it must be below 2**63 = "
+                                  f"9,223,372,036,854,775,808"),
+    (["--batch", str(10 ** 22)], f"argument --batch: got {10 ** 22}; it is too large: it must be below 2**63 = "
+                                 f"9,223,372,036,854,775,808"),
+    # in int64, but the model's workspace passes 64 bits: no GPU holds it
+    (["--layers", str(10 ** 15)], "model: the model's --layers=1000000000000000 makes the workspace's byte count "
+                                  "overflow 64 bits (--batch=1, --prompt-len + --new-tokens = 160 tokens); "
+                                  "reduce --layers"),
+    (["--model", "llama-tiny", "--new-tokens", str(2 ** 40)],
+     "--new-tokens: --prompt-len + --new-tokens = 1099511627808 tokens make the workspace's byte count overflow "
+     "64 bits (--batch=1); reduce --new-tokens"),
+])
+def test_demo_checks_what_needs_no_gpu_before_the_gpu(capsys, monkeypatch, argv, words):
+    from inferctx import demo
+
+    def no_gpu(*args):
+        raise AssertionError("the GPU was looked for before the flags were checked")
+
+    monkeypatch.setattr(demo, "_require_gpu", no_gpu)
+    code, out, err = run(capsys, "demo", *argv)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line in (f"inferctx: error: {words}", f"inferctx demo: {words}"), line
+
+
+def test_demo_describes_an_over_long_number_by_its_size(capsys):
+    # A 5000-digit number is past int()'s digit limit: it was called "not a whole number", its
+    # length was that of the clipped text (63 characters) and the ';' was lost.
+    digits = "9" * 5000
+    for flag in ("--layers", "--batch", "--new-tokens", "--seed"):
+        code, out, err = run(capsys, "demo", flag, digits)
+        valid = "it must be in 0..2**63-1" if flag == "--seed" else \
+            "it must be below 2**63 = 9,223,372,036,854,775,808"
+        assert code == 2 and out == ""
+        assert err == f"inferctx: error: argument {flag}: got a 5,000-digit number; it is too large: {valid}\n", err
+    code, out, err = run(capsys, "demo", "--batch", "-" + digits)
+    assert err == "inferctx: error: argument --batch: got a negative 5,000-digit number; it must be >= 1\n", err
+    code, out, err = run(capsys, "demo", "--layers", "x" * 5000)
+    assert code == 2 and err == (f"inferctx: error: argument --layers: got {'x' * 60!r}... (5,000 characters); "
+                                 f"it must be a whole number\n"), err
+
+
+def test_model_spec_checks_head_dim_as_its_other_fields():
+    from inferctx.decoder import ModelSpec, model_spec
+
+    for bad in ("2", None, -2, 2.0, True, 10 ** 5000 + 1):
+        with pytest.raises(inferctx.ConfigError) as info:
+            ModelSpec("llama", 1, 8, 2, 2, 10, 10, 10, bad)
+        assert info.value.argument == "head_dim" and str(info.value) == (
+            f"head_dim: got {inferctx.errors._brief(bad)}; it must be a positive integer below 2**63 (or 0 for "
+            f"hidden / num_heads)")
+    with pytest.raises(inferctx.ConfigError) as info:
+        model_spec("llama-tiny", head_dim=2.0)
+    assert info.value.argument == "head_dim"
+    assert ModelSpec("llama", 1, 8, 2, 2, 10, 10, 10, 0).head_dim == 4  # 0: hidden / num_heads
+    assert ModelSpec("llama", 1, 8, 2, 2, 10, 10, 10, 6).head_dim == 6
+
+
+def test_model_specs_take_numpy_integers():
+    np = pytest.importorskip("numpy")
+    from inferctx.decoder import model_spec
+
+    spec = model_spec("llama-tiny", num_layers=np.int64(3), head_dim=np.int32(16), vocab_size=np.uint16(300))
+    assert (spec.num_layers, spec.head_dim, spec.vocab_size) == (3, 16, 300)
+    assert all(type(getattr(spec, f)) is int for f in ("num_layers", "head_dim", "vocab_size"))
+    assert spec == model_spec("llama-tiny", num_layers=3, head_dim=16, vocab_size=300)
+    for bad in (np.bool_(True), np.float64(3.0)):
+        with pytest.raises(inferctx.ConfigError) as info:
+            model_spec("llama-tiny", num_layers=bad)
+        assert info.value.argument == "num_layers"
+
+
 # -- the decoder on the CPU (checks the arithmetic where there is no GPU) ---------------------------
 
 @pytest.fixture
@@ -461,6 +538,312 @@ def test_cpu_generate_checks_its_new_tokens_and_batch_before_anything_runs(cpu):
     with pytest.raises(inferctx.ConfigError) as e:
         dec.generate(torch.zeros(2, 9, dtype=torch.long), max_new_tokens=20)  # 9 + 19 = 28 of 14
     assert e.value.argument == "prompt_len"
+
+
+def test_cpu_context_kv_cache_checks_its_layer_as_the_gpu_context_does(cpu):
+    # kv_cache(-1) gave views inside the activations region, True was layer 1, num_layers a torch
+    # RuntimeError and 1.5 / None / '0' internal TypeErrors.
+    np = pytest.importorskip("numpy")
+    from inferctx.decoder import CpuContext, model_spec
+
+    ctx = CpuContext()
+    with pytest.raises(inferctx.WorkspaceStateError, match="^kv_cache: no workspace is planned"):
+        ctx.kv_cache(0)
+    ctx.gen_workspace(model_spec("gpt2-tiny").model_shape(), batch_size=1, prompt_len=1, max_out_tokens=4)
+    for layer in (-1, 2, 2 ** 62):
+        with pytest.raises(inferctx.ConfigError) as info:
+            ctx.kv_cache(layer)
+        assert info.value.argument == "layer" and str(info.value) == (
+            f"layer: got {layer}; valid: 0..1 (the plan's num_layers is 2)")
+    for layer in (True, 1.5, None, "0", np.bool_(False)):
+        with pytest.raises(inferctx.ConfigError) as info:
+            ctx.kv_cache(layer)
+        assert info.value.argument == "layer" and str(info.value) == f"layer: got {layer!r}; it must be an int"
+    with pytest.raises(inferctx.ConfigError) as info:
+        ctx.kv_cache(2 ** 63)
+    assert str(info.value) == f"layer: got {2 ** 63}; it is outside the 64-bit integer range"
+    k, v = ctx.kv_cache(np.int64(1))
+    assert (k.data_ptr(), v.data_ptr()) == tuple(t.data_ptr() for t in ctx.kv_cache(1))
+
+
+def test_cpu_decoder_flags_are_true_or_false(cpu):
+    # Flags were read by truthiness: "no" turned timing, return_logits, graphs and fused kernels
+    # on, and release(keep_contents="no") kept the contents.
+    torch = cpu
+    np = pytest.importorskip("numpy")
+    from inferctx.decoder import CpuContext, ReferenceDecoder
+
+    dec, ctx, prompt, hf = _cpu_decoder(torch, "gpt2-tiny", 4, 3, 3)
+    kw = dict(batch_size=2, prompt_len=4, max_new_tokens=3, dtype="float32")
+    calls = [(lambda v: ReferenceDecoder(hf, ctx=CpuContext(), use_graph=v, **kw), "use_graph"),
+             (lambda v: ReferenceDecoder(hf, ctx=CpuContext(), fused=v, **kw), "fused"),
+             (lambda v: dec.generate(prompt, timing=v), "timing"),
+             (lambda v: dec.generate(prompt, return_logits=v), "return_logits"),
+             (lambda v: dec.generate(prompt, use_graph=v), "use_graph"),  # None: the decoder's own
+             (lambda v: dec.step(use_graph=v), "use_graph"),
+             (lambda v: dec.release(keep_contents=v), "keep_contents"),
+             (lambda v: ctx.release_workspace(keep_contents=v), "keep_contents"),
+             (lambda v: ctx.release_workspace(v), "force")]
+    for i, (call, name) in enumerate(calls):
+        for bad in ("no", 1, 0, 1.0) + ((None,) if i not in (4, 5) else ()):
+            with pytest.raises(inferctx.ConfigError) as info:
+                call(bad)
+            assert info.value.argument == name and str(info.value) == f"{name}: got {bad!r}; it must be True or False"
+    assert not ctx.released  # nothing was released by a refused call
+    out = dec.generate(prompt, timing=np.bool_(False), return_logits=np.bool_(True))
+    assert out.prefill_ms is None and out.logits is not None
+    assert ReferenceDecoder(hf, ctx=CpuContext(), use_graph=np.bool_(True), fused=False, **kw).use_graph is False
+    dec.release(keep_contents=np.bool_(True))
+    assert ctx.released and ctx._saved is not None
+    dec.retake()
+
+
+def test_cpu_context_reset_tokens_as_the_gpu_context_does(cpu):
+    # reset_tokens took 1.5 and True, raised a bare TypeError for None and named no valid range;
+    # advance_tokens refused numpy integers, which InferenceContext takes.
+    torch = cpu
+    np = pytest.importorskip("numpy")
+    from inferctx.decoder import CpuContext
+
+    _, ctx, _, _ = _cpu_decoder(torch, "gpt2-tiny", 4, 3, 3)
+    assert ctx.max_token_length == 7
+    for bad in (1.5, True, None, "1", np.bool_(True)):
+        with pytest.raises(inferctx.ConfigError) as info:
+            ctx.reset_tokens(bad)
+        assert info.value.argument == "initial" and str(info.value) == f"initial: got {bad!r}; it must be an int"
+    for bad in (-1, 8):
+        with pytest.raises(inferctx.ConfigError) as info:
+            ctx.reset_tokens(bad)
+        assert info.value.argument == "initial" and str(info.value) == (
+            f"initial: reset_tokens got {bad}; valid: 0..7 (max_token_length)")
+    with pytest.raises(inferctx.ConfigError) as info:
+        CpuContext().reset_tokens(1)
+    assert str(info.value) == ("initial: reset_tokens got 1; valid: 0..0 (no workspace is planned, so "
+                               "max_token_length is 0; call gen_workspace first)")
+    ctx.reset_tokens(np.int64(2))
+    ctx.advance_tokens(np.int32(3))
+    assert ctx.current_tokens == 5 and type(ctx.current_tokens) is int
+    with pytest.raises(inferctx.TokenLimitError) as info:
+        ctx.advance_tokens(np.int64(3))
+    assert str(info.value) == ("advance_tokens(3): 5 + 3 tokens would pass max_token_length=7 (the KV cache holds 7 "
+                               "positions); call reset_tokens for a new sequence, or gen_workspace with a larger "
+                               "max_out_tokens")
+    with pytest.raises(inferctx.ConfigError) as info:
+        ctx.advance_tokens(10 ** 5000)
+    assert str(info.value) == "n: got an integer of 16610 bits; it is outside the 64-bit integer range"
+    assert ctx.current_tokens == 5
+
+
+def test_cpu_decoder_entry_points_name_their_argument(cpu):
+    # None, a model's name or a ModelSpec for the model, and "cpu" / 0 / object() for ctx, were
+    # AttributeErrors; build_hf_model(None) too, and its seed went to torch unchecked.
+    torch = cpu
+    np = pytest.importorskip("numpy")
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+
+    spec = model_spec("gpt2-tiny")
+    hf = build_hf_model(spec, seed=0)
+    kw = dict(batch_size=1, prompt_len=2, max_new_tokens=2, dtype="float32")
+    for bad in (None, "gpt2", spec):
+        with pytest.raises(inferctx.ConfigError) as info:
+            ReferenceDecoder(bad, ctx=CpuContext(), **kw)
+        assert info.value.argument == "model" and str(info.value) == (
+            f"model: got {inferctx.errors._brief(bad)} ({type(bad).__name__}); it must be a transformers "
+            f"GPT2LMHeadModel or LlamaForCausalLM, such as build_hf_model(model_spec(name)) makes")
+    for bad in ("cpu", 0, object()):
+        with pytest.raises(inferctx.ConfigError) as info:
+            ReferenceDecoder(hf, ctx=bad, **kw)
+        assert info.value.argument == "ctx" and str(info.value) == (
+            f"ctx: got {bad!r} ({type(bad).__name__}); it must be an InferenceContext, a CpuContext, or None for "
+            f"the context of device")
+    for bad in (None, "gpt2-tiny"):
+        with pytest.raises(inferctx.ConfigError) as info:
+            build_hf_model(bad)
+        assert info.value.argument == "spec" and str(info.value) == (
+            f"spec: got {bad!r} ({type(bad).__name__}); it must be a ModelSpec, such as model_spec('gpt2-tiny') gives")
+    for bad in (-1, 2 ** 64, 1.5, "1", None, True):
+        with pytest.raises(inferctx.ConfigError) as info:
+            build_hf_model(spec, seed=bad)
+        assert info.value.argument == "seed" and str(info.value) == (
+            f"seed: got {bad!r}; it must be an integer in [0, 2**64)")
+    state = torch.random.get_rng_state()
+    top = build_hf_model(spec, seed=2 ** 64 - 1)  # the whole range of torch's generator
+    assert torch.equal(torch.random.get_rng_state(), state)
+    same = build_hf_model(spec, seed=np.uint64(2 ** 64 - 1))
+    assert torch.equal(top.transformer.wte.weight, same.transformer.wte.weight)
+    assert torch.equal(build_hf_model(spec, seed=np.int64(0)).transformer.wte.weight, hf.transformer.wte.weight)
+
+
+def test_cpu_prompt_of_an_integer_dtype_torch_cannot_compare_is_refused(cpu):
+    # uint64 (uint32, uint16) prompts ended in torch's NotImplementedError ("aminmax_cpu").
+    torch = cpu
+    dec, _, prompt, _ = _cpu_decoder(torch, "gpt2-tiny", 4, 3, 3)
+    for dtype in (torch.uint64, torch.uint32, torch.uint16):
+        with pytest.raises(inferctx.ConfigError) as info:
+            dec.generate(prompt.to(dtype))
+        name = str(dtype).replace("torch.", "")
+        assert info.value.argument == "prompt" and str(info.value) == (
+            f"prompt: got a (2, 4) {name} tensor; token ids must be one of int64, int32, int16, int8, uint8")
+        with pytest.raises(inferctx.ConfigError):
+            dec.prefill(prompt.to(dtype))
+    want = dec.generate(prompt).tokens
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        small = prompt % 100
+        assert torch.equal(dec.generate(small.to(dtype)).tokens, dec.generate(small).tokens)
+    assert torch.equal(dec.generate(prompt.to(torch.int32)).tokens, want)
+
+
+def test_cpu_context_checks_free_bytes_when_made(cpu):
+    # CpuContext(None) read a GPU at the first plan; 0 and -1 were blamed on total_bytes.
+    np = pytest.importorskip("numpy")
+    from inferctx.decoder import CpuContext
+
+    for bad in (None, 0, -1, 1.5, True, "1", 2 ** 63):
+        with pytest.raises(inferctx.ConfigError) as info:
+            CpuContext(bad)
+        assert info.value.argument == "free_bytes" and str(info.value) == (
+            f"free_bytes: got {bad!r}; it must be a positive byte count below 2**63 (the memory the CPU context "
+            f"plans its workspace in)")
+    assert CpuContext(np.int64(1 << 30))._free == 1 << 30
+
+
+def test_cpu_planner_errors_are_worded_in_the_decoders_keywords(cpu):
+    # The planner's refusals named max_out_tokens / min_out_tokens, which ReferenceDecoder has not.
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+
+    hf = build_hf_model(model_spec("llama-tiny"), seed=0)
+    cases = [
+        (dict(prompt_len=1, max_new_tokens=2 ** 40), "max_new_tokens",
+         "max_new_tokens: prompt_len + max_new_tokens = 1099511627777 tokens make the workspace's byte count "
+         "overflow 64 bits (batch_size=2); reduce max_new_tokens"),
+        (dict(prompt_len=2 ** 62, max_new_tokens=2 ** 62), "prompt_len",
+         "prompt_len: prompt_len=4611686018427387904 makes the workspace's byte count overflow 64 bits "
+         "(batch_size=2), with any max_new_tokens; reduce prompt_len"),
+        (dict(prompt_len=2 ** 40, max_new_tokens=1), "prompt_len",
+         "prompt_len: prompt_len=1099511627776 makes the workspace's byte count overflow 64 bits (batch_size=2), "
+         "with any max_new_tokens; reduce prompt_len"),
+        (dict(prompt_len=4, max_new_tokens=2 ** 63 - 2), "max_new_tokens",
+         "max_new_tokens: prompt_len + max_new_tokens = 9223372036854775810 tokens; it must be below 2**63"),
+    ]
+    for kw, argument, words in cases:
+        ctx = CpuContext()
+        with pytest.raises(inferctx.ConfigError) as info:
+            ReferenceDecoder(hf, batch_size=2, dtype="float32", ctx=ctx, **kw)
+        assert info.value.argument == argument and str(info.value) == words
+        assert ctx.max_token_length == 0  # nothing planned
+    with pytest.raises(inferctx.ConfigError) as info:
+        ReferenceDecoder(hf, batch_size=2 ** 62, prompt_len=4, max_new_tokens=4, dtype="float32", ctx=CpuContext())
+    assert info.value.argument == "batch_size" and str(info.value) == (
+        "batch_size: batch_size=4611686018427387904 makes the workspace's byte count overflow 64 bits "
+        "(prompt_len + max_new_tokens = 8 tokens); reduce batch_size")
+    # The same words where the context's own plan refuses (here a request no pre-check saw).
+    from inferctx.decoder._spec import _decoder_terms
+
+    spec = model_spec("llama-tiny")
+    exc = inferctx.ConfigError("min_out_tokens: min_out_tokens=1099511627777 makes the workspace byte count "
+                               "overflow 64 bits (...)", argument="min_out_tokens")
+    assert str(_decoder_terms(exc, spec, 2, 1, 2 ** 40, "float32")) == cases[0][2]
+    other = inferctx.ConfigError("dtype: got x", argument="dtype")
+    assert _decoder_terms(other, spec, 2, 1, 2 ** 40, "float32") is other
+
+
+def test_cpu_llama_decodes_past_max_positions_as_hugging_face_does(cpu):
+    # GPT-2's learned positions end at n_positions; Llama's RoPE has no table to run off (the
+    # decoder's cos / sin are made for its planned length, as transformers makes them for any
+    # position), so max_positions bounds no plan and the logits still equal Hugging Face's.
+    torch = cpu
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, hf_reference_logits, model_spec
+
+    spec = model_spec("llama-tiny", max_positions=8)
+    hf = build_hf_model(spec, seed=0)
+    dec = ReferenceDecoder(hf, batch_size=2, prompt_len=6, max_new_tokens=10, dtype="float32", ctx=CpuContext())
+    prompt = torch.randint(0, spec.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5))
+    out = dec.generate(prompt, return_logits=True)
+    ref = hf_reference_logits(hf, prompt, out.tokens)
+    for step in range(10):
+        assert _rel(out.logits[step], ref[step]) <= 1e-4, step
+    with pytest.raises(inferctx.ConfigError) as info:  # GPT-2's bound stands
+        ReferenceDecoder(build_hf_model(model_spec("gpt2-tiny", max_positions=8), seed=0), batch_size=1,
+                         prompt_len=6, max_new_tokens=3, dtype="float32", ctx=CpuContext())
+    assert info.value.argument == "max_new_tokens" and "n_positions=8" in str(info.value)
+
+
+def test_cpu_decoder_takes_numpy_scalars(cpu):
+    # batch_size=np.int64(2) and dropout=np.float32(0.5) were refused; the planner takes both.
+    torch = cpu
+    np = pytest.importorskip("numpy")
+    from inferctx.decoder import CpuContext, ReferenceDecoder
+
+    dec, _, prompt, hf = _cpu_decoder(torch, "gpt2-tiny", 4, 3, 3)
+    other = ReferenceDecoder(hf, batch_size=np.int64(2), prompt_len=np.int32(4), max_new_tokens=np.uint8(3),
+                             dtype=np.float32, ctx=CpuContext())
+    assert (other.batch, other.prompt_len, other.max_new_tokens) == (2, 4, 3)
+    assert all(type(n) is int for n in (other.batch, other.prompt_len, other.max_new_tokens))
+    assert other.plan.max_tokens == dec.plan.max_tokens == 7
+    assert torch.equal(other.generate(prompt, max_new_tokens=np.int64(2)).tokens, dec.generate(prompt).tokens[:, :2])
+    p = ReferenceDecoder(hf, batch_size=2, prompt_len=4, max_new_tokens=3, dtype="float32", ctx=CpuContext(),
+                         dropout=np.float32(0.25))
+    assert p.dropout == 0.25 and type(p.dropout) is float
+    for name, bad in (("batch_size", np.float64(2.0)), ("batch_size", np.bool_(True)), ("prompt_len", True),
+                      ("max_new_tokens", 2.0)):
+        kw = dict(batch_size=2, prompt_len=4, max_new_tokens=3)
+        kw[name] = bad
+        with pytest.raises(inferctx.ConfigError) as info:
+            ReferenceDecoder(hf, dtype="float32", ctx=CpuContext(), **kw)
+        assert info.value.argument == name and str(info.value) == f"{name}: got {bad!r}; it must be a positive integer"
+    for bad in (np.bool_(False), True, float("nan"), 1, "0.5"):
+        with pytest.raises(inferctx.ConfigError) as info:
+            ReferenceDecoder(hf, batch_size=2, prompt_len=4, max_new_tokens=3, dtype="float32", ctx=CpuContext(),
+                             dropout=bad)
+        assert info.value.argument == "dropout" and str(info.value) == (
+            f"dropout: got {bad!r}; it must be a probability in [0, 1)")
+    with pytest.raises(inferctx.ConfigError) as info:
+        dec.generate(prompt, max_new_tokens=np.float32(2))
+    assert info.value.argument == "max_new_tokens"
+
+
+def test_cpu_the_demo_plans_before_it_builds_the_model(cpu, capsys, monkeypatch):
+    # On a GPU machine the model was built (any size) before anything planned it: the plan the
+    # decoder will make, its weights counted, now comes first.
+    import inferctx.decoder as decoder
+    from inferctx import demo
+
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def build(spec, seed=0):
+        built.append(spec)
+        raise Built
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(set_device=lambda d: None),
+                                       device=lambda *a: None)
+    monkeypatch.setattr(demo, "_requirements", lambda: (fake_torch, object()))
+    monkeypatch.setattr(demo, "_require_gpu", lambda torch, device: None)
+    memory = {"free": 256 << 20}
+    monkeypatch.setattr(demo, "_device_memory", lambda device: (
+        types.SimpleNamespace(allocation_granularity=0), memory["free"], 80 << 30))
+    monkeypatch.setattr(decoder, "build_hf_model", build)
+    # the weights alone do not fit
+    code, out, err = run(capsys, "demo", "--model", "llama-small")
+    assert code == 2 and not built
+    assert err == ("inferctx demo: the model's weights need 297.03 MiB in float16, and cuda:0 has 256.00 MiB free; "
+                   "give a smaller --layers, --hidden, --vocab or --intermediate\n"), err
+    code, out, err = run(capsys, "demo", "--model", "llama-small", "--dtype", "float32")
+    assert code == 2 and not built and err.startswith("inferctx demo: the model's weights need 594.07 MiB in float32")
+    assert err.endswith("--intermediate, or --dtype float16\n"), err
+    # the weights fit, the workspace does not: the decoder's words and hints, in the flags
+    memory["free"] = 2 << 30
+    code, out, err = run(capsys, "demo", "--model", "gpt2-tiny", "--batch", "4096", "--prompt-len", "128")
+    assert code == 2 and not built
+    assert err.startswith("inferctx demo: --new-tokens: a batch of 4096 rows of --prompt-len + --new-tokens = 256 "
+                          "tokens does not fit"), err
+    assert "would fit: --new-tokens <= " not in err and "--batch <= " in err  # 128 prompt tokens leave none
+    # what fits is built
+    with pytest.raises(Built):
+        run(capsys, "demo", "--model", "gpt2-tiny", "--batch", "4", "--prompt-len", "16", "--new-tokens", "16")
+    assert len(built) == 1
 
 
 # -- the decoder on the GPU -----------------------------------------------------------------------

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch.utils.dlpack import from_dlpack
 
-from ..errors import ConfigError, TokenLimitError, WorkspaceStateError
+from ..errors import ConfigError, TokenLimitError, WorkspaceStateError, _brief
 from ..planning import ModelShape, WorkspacePlan, plan_workspace
+from ._spec import INT64_MAX, _flag, _index
 
 __all__ = ["GpuBackend", "CpuBackend", "CpuContext"]
 
@@ -151,14 +152,31 @@ class CpuBackend:
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _int_arg(value: object, argument: str) -> int:
+    """An int64 argument, as InferenceContext takes one: an int or a NumPy integer (bools, floats
+    and strings refused), within the 64-bit range."""
+    n = _index(value)
+    if n is None:
+        raise ConfigError(f"{argument}: got {_brief(value)}; it must be an int", argument=argument)
+    if not -(1 << 63) <= n <= INT64_MAX:
+        raise ConfigError(f"{argument}: got {_brief(n)}; it is outside the 64-bit integer range", argument=argument)
+    return n
+
+
 class CpuContext:
-    """The part of InferenceContext the decoder uses, in host memory, laid out by the same plan."""
+    """The part of InferenceContext the decoder uses, in host memory, laid out by the same plan.
+    ``free_bytes``: the memory its plans may take (free and total alike), a positive byte count."""
 
     device = -1
     addresses_stable = True
 
     def __init__(self, free_bytes: int = 8 << 30) -> None:
-        self._free = free_bytes
+        # The host memory the plans may take (free and total alike): no device is read.
+        free = _index(free_bytes)
+        if free is None or not 1 <= free <= INT64_MAX:
+            raise ConfigError(f"free_bytes: got {_brief(free_bytes)}; it must be a positive byte count below 2**63 "
+                              f"(the memory the CPU context plans its workspace in)", argument="free_bytes")
+        self._free = free
         self._plan: WorkspacePlan | None = None
         self._ws = torch.empty(0, dtype=torch.uint8)
         self._released = False
@@ -214,8 +232,16 @@ class CpuContext:
         return self._region(p.attention_scores_offset, p.attention_scores_bytes)
 
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self.plan
-        key = p.kv_cache_offset + layer * p.kv_layer_stride
+        """(K, V) of ``layer`` (0..num_layers-1): [batch, kv_heads, max_tokens, head_dim_padded]."""
+        index = _int_arg(layer, "layer")  # as InferenceContext.kv_cache
+        if self._plan is None:
+            raise WorkspaceStateError("kv_cache: no workspace is planned on the CPU; call gen_workspace(...) first")
+        p = self._plan
+        layers = p.shape.num_layers
+        if not 0 <= index < layers:
+            raise ConfigError(f"layer: got {index}; valid: 0..{layers - 1} (the plan's num_layers is {layers})",
+                              argument="layer")
+        key = p.kv_cache_offset + index * p.kv_layer_stride
         return (self._region(key, p.kv_tensor_bytes, p.kv_shape),
                 self._region(key + p.kv_value_offset, p.kv_tensor_bytes, p.kv_shape))
 
@@ -228,6 +254,8 @@ class CpuContext:
         return self._released
 
     def release_workspace(self, force: bool = False, *, keep_contents: bool = False) -> None:
+        _flag(force, "force")  # as InferenceContext: flags are True or False
+        keep_contents = _flag(keep_contents, "keep_contents")
         if self._released:  # as InferenceContext: only a kept copy can still be given up
             if not keep_contents and self._saved is not None:
                 self._saved = None
@@ -257,20 +285,33 @@ class CpuContext:
         return self._tokens
 
     def advance_tokens(self, n: int = 1) -> None:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise ConfigError(f"n: got {n!r}; it must be an int", argument="n")
-        if n < 1:  # as InferenceContext.advance_tokens
-            raise ConfigError(f"n: advance_tokens got {n}; it must be a positive token count (>= 1)", argument="n")
+        """Counts ``n`` more tokens; TokenLimitError if that would pass ``max_token_length``
+        (InferenceContext.advance_tokens, its words)."""
+        count = _int_arg(n, "n")
+        if count < 1:
+            raise ConfigError(f"n: advance_tokens got {count}; it must be a positive token count (>= 1)",
+                              argument="n")
         limit = self.max_token_length
-        if n > limit - self._tokens:
-            raise TokenLimitError(f"advance_tokens({n}): {self._tokens} + {n} tokens would pass "
-                                  f"max_token_length={limit}", current=self._tokens, requested=n, limit=limit)
-        self._tokens += n
+        if count > limit - self._tokens:
+            if limit == 0:
+                message = (f"advance_tokens({count}): no workspace is planned, so max_token_length is 0; call "
+                           f"gen_workspace first")
+            else:
+                message = (f"advance_tokens({count}): {self._tokens} + {count} tokens would pass max_token_length="
+                           f"{limit} (the KV cache holds {limit} positions); call reset_tokens for a new sequence, "
+                           f"or gen_workspace with a larger max_out_tokens")
+            raise TokenLimitError(message, current=self._tokens, requested=count, limit=limit)
+        self._tokens += count
 
     def reset_tokens(self, initial: int = 1) -> None:
-        if not 0 <= initial <= self.max_token_length:
-            raise ConfigError(f"initial: got {initial}", argument="initial")
-        self._tokens = initial
+        """Starts a new sequence at ``initial`` tokens (0..max_token_length)."""
+        start = _int_arg(initial, "initial")
+        limit = self.max_token_length
+        if not 0 <= start <= limit:
+            why = (" (no workspace is planned, so max_token_length is 0; call gen_workspace first)" if limit == 0
+                   else " (max_token_length)")
+            raise ConfigError(f"initial: reset_tokens got {start}; valid: 0..{limit}{why}", argument="initial")
+        self._tokens = start
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -13,12 +14,12 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import ConfigError, TokenLimitError, WorkspaceOOMError, WorkspaceStateError
+from ..errors import ConfigError, TokenLimitError, WorkspaceOOMError, WorkspaceStateError, _brief
 from . import _layers as L
 from ._backend import CpuBackend, CpuContext, GpuBackend, _Carver, _side_stream
 from ._fused import FusedOps, fused_ops, unfused
 from ._models import TORCH_DTYPES, Weights
-from ._spec import ModelSpec, dtype_name
+from ._spec import ModelSpec, _check_request, _decoder_terms, _flag, _positive, _real, dtype_name
 
 __all__ = ["ReferenceDecoder", "Generation"]
 
@@ -72,10 +73,40 @@ class Generation:
     graph: bool = False
 
 
-def _positive(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}: got {value!r}; it must be a positive integer", argument=name)
-    return value
+# The dtypes of token ids the decoder takes: those torch reads as indices and compares on every
+# device (uint16 / uint32 / uint64 have no min / max kernels).
+_TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _check_prompt(prompt: Any) -> None:
+    """ConfigError(argument="prompt") unless `prompt` is a 2-D tensor of token ids."""
+    if (not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype.is_floating_point
+            or prompt.dtype.is_complex or prompt.dtype == torch.bool):
+        got = (f"a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor"
+               if isinstance(prompt, torch.Tensor) else f"a {type(prompt).__name__}")
+        raise ConfigError(f"prompt: got {got}; it must be a 2-D integer tensor [batch, length] of token ids",
+                          argument="prompt")
+    if prompt.dtype not in _TOKEN_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in _TOKEN_DTYPES)
+        raise ConfigError(f"prompt: got a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor; "
+                          f"token ids must be one of {names}", argument="prompt")
+
+
+def _model_config(model: object) -> Any:
+    """The Hugging Face config of `model`; ConfigError(argument="model") for anything that is no
+    transformers model."""
+    config = getattr(model, "config", None) if isinstance(model, torch.nn.Module) else None
+    if config is None:
+        raise ConfigError(f"model: got {_brief(model)} ({type(model).__name__}); it must be a transformers "
+                          f"GPT2LMHeadModel or LlamaForCausalLM, such as build_hf_model(model_spec(name)) makes",
+                          argument="model")
+    return config
+
+
+def _is_gpu_context(ctx: object) -> bool:
+    """An InferenceContext: told without importing the GPU module (an instance means it is loaded)."""
+    core = sys.modules.get("inferctx._core")
+    return core is not None and isinstance(ctx, core.InferenceContext)
 
 
 class ReferenceDecoder:
@@ -88,7 +119,9 @@ class ReferenceDecoder:
         copied to the device in ``dtype`` (shared when they already are there in that dtype).
     batch_size, prompt_len, max_new_tokens
         The plan: up to ``batch_size`` sequences of up to ``prompt_len`` prompt tokens, and
-        ``prompt_len + max_new_tokens`` tokens in the KV cache (``max_out_tokens``).
+        ``prompt_len + max_new_tokens`` tokens in the KV cache (``max_out_tokens``). Integers (NumPy's
+        too). GPT-2 holds at most its ``n_positions`` tokens; Llama's ``max_position_embeddings``
+        bounds nothing here (default RoPE turns any position, in transformers as here).
     dtype
         'float16' (default), 'bfloat16' or 'float32': the weights', the workspace's and the logits'.
     ctx
@@ -100,7 +133,8 @@ class ReferenceDecoder:
         Probability p of MC-dropout on each block's output before the residual add (GPT-2's
         resid_pdrop places), through ``inferctx.dropout``; 0 (default) runs none.
     use_graph
-        Replay each decode step from a CUDA graph captured at the first one (GPU only).
+        Replay each decode step from a CUDA graph captured at the first one (GPU only). This and
+        every other flag of the decoder is True or False (a numpy.bool_ too).
     fused
         Run GELU, SiLU times the up projection and RoPE as one inferctx kernel each instead of
         torch's sequences of small kernels, where each gives the sequence's bits on this torch
@@ -110,19 +144,30 @@ class ReferenceDecoder:
     def __init__(self, model: Any, *, batch_size: int, prompt_len: int, max_new_tokens: int,
                  dtype: Any = "float16", ctx: Any = None, device: int | None = None, dropout: float = 0.0,
                  use_graph: bool = True, fused: bool = True) -> None:
-        self.spec = ModelSpec.from_hf_config(model.config)
+        self.spec = ModelSpec.from_hf_config(_model_config(model))
         self.batch = _positive(batch_size, "batch_size")
         self.prompt_len = _positive(prompt_len, "prompt_len")
         self.max_new_tokens = _positive(max_new_tokens, "max_new_tokens")
         self.dtype_name = dtype_name(dtype)
         self.dtype = TORCH_DTYPES[self.dtype_name]
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ConfigError(f"dropout: got {dropout!r}; it must be a probability in [0, 1)", argument="dropout")
-        self.dropout = float(dropout)
+        p = _real(dropout)
+        if p is None or not 0.0 <= p < 1.0:
+            raise ConfigError(f"dropout: got {_brief(dropout)}; it must be a probability in [0, 1)",
+                              argument="dropout")
+        self.dropout = p
+        use_graph = _flag(use_graph, "use_graph")
+        fused = _flag(fused, "fused")
+        if ctx is not None and not isinstance(ctx, CpuContext) and not _is_gpu_context(ctx):
+            raise ConfigError(f"ctx: got {_brief(ctx)} ({type(ctx).__name__}); it must be an InferenceContext, a "
+                              f"CpuContext, or None for the context of device", argument="ctx")
         s = self.spec
-        if s.arch == "gpt2" and prompt_len + max_new_tokens > s.max_positions:
-            raise ConfigError(f"max_new_tokens: prompt_len + max_new_tokens = {prompt_len + max_new_tokens} "
+        total = self.prompt_len + self.max_new_tokens
+        if s.arch == "gpt2" and total > s.max_positions:
+            raise ConfigError(f"max_new_tokens: prompt_len + max_new_tokens = {total} "
                               f"passes GPT-2's n_positions={s.max_positions}", argument="max_new_tokens")
+        # Llama has no such bound here: RoPE's tables are made for the planned length, as
+        # transformers makes them for any position (max_position_embeddings bounds no default RoPE).
+        _check_request(s, self.batch, self.prompt_len, self.max_new_tokens, self.dtype_name)  # no weights copied yet
         if isinstance(ctx, CpuContext):
             self.backend: GpuBackend | CpuBackend = CpuBackend(ctx)
         else:
@@ -133,17 +178,21 @@ class ReferenceDecoder:
             self.backend = GpuBackend(ctx)
         self.ctx = ctx
         self.device = self.backend.device
-        self.use_graph = bool(use_graph) and self.backend.on_gpu
+        self.use_graph = use_graph and self.backend.on_gpu
         index = self.device.index if self.backend.on_gpu else -1
         self._ops: FusedOps = (fused_ops(index, self.dtype) if fused and self.backend.on_gpu
                                else unfused(index, self.dtype))
         self.weights = Weights.from_hf(model, s, self.device, self.dtype)  # before the plan reads free memory
-        total = self.prompt_len + self.max_new_tokens
         try:
             # Every row's prompt and new tokens, or nothing: a plan cut short by memory would let
             # generate() run most of its steps and then fail.
             self.plan = ctx.gen_workspace(s.model_shape(), batch_size=self.batch, prompt_len=self.prompt_len,
                                           max_out_tokens=total, min_out_tokens=total, dtype=self.dtype_name)
+        except ConfigError as exc:  # the planner's names (max_out_tokens, ...) in the decoder's
+            worded = _decoder_terms(exc, s, self.batch, self.prompt_len, self.max_new_tokens, self.dtype_name)
+            if worded is exc:
+                raise
+            raise worded from None
         except WorkspaceOOMError as exc:
             too_long = _too_long(exc, s, self.batch, self.prompt_len, self.max_new_tokens, self.dtype_name,
                                  getattr(ctx, "allocation_granularity", 0))
@@ -411,12 +460,7 @@ class ReferenceDecoder:
 
     def _prefill(self, prompt: torch.Tensor) -> None:
         """prefill, the caller's stream not made to wait for it (generate does that once)."""
-        if (not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype.is_floating_point
-                or prompt.dtype.is_complex or prompt.dtype == torch.bool):
-            got = (f"a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor"
-                   if isinstance(prompt, torch.Tensor) else f"a {type(prompt).__name__}")
-            raise ConfigError(f"prompt: got {got}; it must be a 2-D integer tensor [batch, length] of token ids",
-                              argument="prompt")
+        _check_prompt(prompt)
         rows, n = prompt.shape
         if rows > self.batch:
             raise ConfigError(f"batch_size: the prompt has {rows} sequences but the decoder was planned for "
@@ -467,8 +511,9 @@ class ReferenceDecoder:
         cache is full (ctx.max_token_length). With the graph, the first step runs eagerly and is
         captured; later steps (of this and later generations) replay it. Ordered as prefill is:
         after the caller's current stream, which then waits for the step."""
+        graph = None if use_graph is None else _flag(use_graph, "use_graph")
         caller = torch.cuda.current_stream(self.device) if self._stream is not None else None
-        self._step(use_graph, caller)
+        self._step(graph, caller)
         self._join_caller()
 
     def _step(self, use_graph: bool | None, caller: Any) -> None:
@@ -476,7 +521,7 @@ class ReferenceDecoder:
         caller's stream not made to wait for it."""
         self._check_state("step")
         self._check_sequence("step")
-        graph = self.use_graph if use_graph is None else bool(use_graph) and self.backend.on_gpu
+        graph = self.use_graph if use_graph is None else use_graph and self.backend.on_gpu
         if self._next >= self.max_tokens:
             # The context's counter is shared (reset_tokens by anyone holding the context): this
             # decoder's own position bounds its writes to the KV cache.
@@ -509,9 +554,12 @@ class ReferenceDecoder:
         """Greedy decoding: ``max_new_tokens`` (default: the planned number) tokens after ``prompt``
         [rows, L]; the prefill gives the first, each decode step one more."""
         n = self.max_new_tokens if max_new_tokens is None else _positive(max_new_tokens, "max_new_tokens")
-        graph = self.use_graph if use_graph is None else bool(use_graph) and self.backend.on_gpu
+        graph = self.use_graph if use_graph is None else _flag(use_graph, "use_graph") and self.backend.on_gpu
+        return_logits = _flag(return_logits, "return_logits")
+        timing = _flag(timing, "timing")
+        _check_prompt(prompt)
         on_gpu = self._stream is not None
-        rows = prompt.shape[0] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 0
+        rows = prompt.shape[0]
         if rows:
             # The prefill takes the prompt's tokens, each step one more: all must fit the KV cache
             # (ctx.max_token_length), checked before anything is queued.
@@ -571,6 +619,7 @@ class ReferenceDecoder:
         start. The CUDA graph is kept where the workspace keeps its addresses
         (``ctx.addresses_stable``); under the cudaMalloc fallback the decoder's views and graph are
         dropped first (so that the allocation can be freed) and made again at the retake."""
+        keep_contents = _flag(keep_contents, "keep_contents")
         stable = bool(self.ctx.addresses_stable)
         if not stable:
             # Under the cudaMalloc fallback the allocation is freed only once no view holds it: the

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ._spec import ModelSpec
+from ..errors import ConfigError, _brief
+from ._spec import ModelSpec, _index
 
 __all__ = ["build_hf_model", "Weights", "LayerWeights", "hf_reference_logits", "TORCH_DTYPES"]
 
@@ -24,14 +24,22 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 def build_hf_model(spec: ModelSpec, seed: int = 0) -> Any:
     """The Hugging Face model of ``spec`` (GPT2LMHeadModel or LlamaForCausalLM) in float32 on the
     CPU, its weights drawn by the model's own initialisation under ``torch.manual_seed(seed)``
-    (the caller's RNG state is kept). Nothing is downloaded."""
+    (the caller's RNG state is kept). Nothing is downloaded. ``seed``: an integer in [0, 2**64),
+    the seeds torch's generator holds (torch.manual_seed also takes negative ones, which are
+    other names of seeds in that range)."""
     import importlib
 
+    if not isinstance(spec, ModelSpec):
+        raise ConfigError(f"spec: got {_brief(spec)} ({type(spec).__name__}); it must be a ModelSpec, such as "
+                          f"model_spec('gpt2-tiny') gives", argument="spec")
+    n = _index(seed)
+    if n is None or not 0 <= n < 1 << 64:
+        raise ConfigError(f"seed: got {_brief(seed)}; it must be an integer in [0, 2**64)", argument="seed")
     transformers: Any = importlib.import_module("transformers")
     config = spec.hf_config()
     cls: Any = transformers.GPT2LMHeadModel if spec.arch == "gpt2" else transformers.LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(n)
         model = cls(config)
     model.eval()
     for flag in ("eos_token_id", "bos_token_id"):  # generation runs its full length

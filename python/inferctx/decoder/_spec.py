@@ -3,17 +3,60 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Any
 
+from .._plan import _as_bool
 from ..dtypes import dtype_name as _dtype_name
-from ..errors import ConfigError
+from ..errors import ConfigError, _brief
 from ..planning import ModelShape
 
 __all__ = ["ModelSpec", "PRESETS", "ALIASES", "model_spec", "dtype_name", "DTYPES"]
 
 DTYPES = ("float32", "float16", "bfloat16")
 ARCHS = ("gpt2", "llama")
+INT64_MAX = (1 << 63) - 1
+
+
+def _flag(value: object, argument: str) -> bool:
+    """A flag argument: True or False (a numpy.bool_ too), as everywhere in the package; 1, None
+    and strings ("no" is not False) are a ConfigError naming `argument`."""
+    return _as_bool(value, argument)
+
+
+def _index(value: object) -> int | None:
+    """`value` as a Python int where it is an integer (an int, a NumPy integer: anything with
+    __index__), None where it is not (a float, a string, None, a bool or numpy.bool_: a flag is
+    not a count)."""
+    if isinstance(value, bool) or value is None or type(value).__module__ == "numpy" and \
+            type(value).__name__ in ("bool", "bool_"):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _positive(value: object, name: str) -> int:
+    """A count: an integer in [1, 2**63) (a NumPy integer too; bools and floats refused)."""
+    n = _index(value)
+    if n is None or n < 1:
+        raise ConfigError(f"{name}: got {_brief(value)}; it must be a positive integer", argument=name)
+    if n > INT64_MAX:
+        raise ConfigError(f"{name}: got {_brief(n)}; it must be a positive integer below 2**63", argument=name)
+    return n
+
+
+def _real(value: object) -> float | None:
+    """`value` as a float where it is a real number (a NumPy float too), else None (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
 
 
 def dtype_name(dtype: object) -> str:
@@ -42,34 +85,51 @@ class ModelSpec:
     head_dim: int = 0  # 0: hidden // num_heads
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ConfigError(f"arch: got {self.arch!r}; valid: {', '.join(ARCHS)}", argument="arch")
+        if not isinstance(self.arch, str) or self.arch not in ARCHS:
+            raise ConfigError(f"arch: got {_brief(self.arch)}; valid: {', '.join(ARCHS)}", argument="arch")
         for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "vocab_size", "intermediate",
                      "max_positions"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}: got {value!r}; it must be a positive integer", argument=name)
+            object.__setattr__(self, name, _positive(getattr(self, name), name))  # NumPy integers as ints
+        head = _index(self.head_dim)
+        if head is None or not 0 <= head <= INT64_MAX:
+            raise ConfigError(f"head_dim: got {_brief(self.head_dim)}; it must be a positive integer below "
+                              f"2**63 (or 0 for hidden / num_heads)", argument="head_dim")
+        object.__setattr__(self, "head_dim", head)
         if self.head_dim == 0:
             if self.hidden % self.num_heads:
-                raise ConfigError(f"hidden: {self.hidden} is not divisible by num_heads={self.num_heads}",
-                                  argument="hidden")
+                raise ConfigError(f"hidden: {_brief(self.hidden)} is not divisible by num_heads="
+                                  f"{_brief(self.num_heads)}", argument="hidden")
             object.__setattr__(self, "head_dim", self.hidden // self.num_heads)
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_kv_heads: got {self.num_kv_heads}; it must divide num_heads="
-                              f"{self.num_heads}", argument="num_kv_heads")
+            raise ConfigError(f"num_kv_heads: got {_brief(self.num_kv_heads)}; it must divide num_heads="
+                              f"{_brief(self.num_heads)}", argument="num_kv_heads")
         if self.arch == "gpt2":
             if self.num_kv_heads != self.num_heads:
                 raise ConfigError(f"num_kv_heads: GPT-2 has multi-head attention, so num_kv_heads must be "
-                                  f"num_heads={self.num_heads}; got {self.num_kv_heads}", argument="num_kv_heads")
+                                  f"num_heads={_brief(self.num_heads)}; got {_brief(self.num_kv_heads)}",
+                                  argument="num_kv_heads")
             if self.head_dim * self.num_heads != self.hidden:
                 raise ConfigError("head_dim: GPT-2's head size is hidden / num_heads", argument="head_dim")
         if self.arch == "llama" and self.head_dim % 2:  # RoPE turns pairs of dimensions
-            raise ConfigError(f"head_dim: got {self.head_dim}; Llama's RoPE needs it even", argument="head_dim")
+            raise ConfigError(f"head_dim: got {_brief(self.head_dim)}; Llama's RoPE needs it even",
+                              argument="head_dim")
 
     @property
     def group(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_params(self) -> int:
+        """The parameter count of the Hugging Face model ``build_hf_model`` makes of this spec
+        (GPT-2: its LM head is the token embedding; Llama: an LM head of its own, no biases)."""
+        h, n, V, I = self.hidden, self.num_layers, self.vocab_size, self.intermediate
+        if self.arch == "gpt2":  # LayerNorms (weight, bias), c_attn, c_proj, c_fc, c_proj with biases
+            layer = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * I + I) + (I * h + h)
+            return V * h + self.max_positions * h + n * layer + 2 * h
+        H, KV = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = h + h * (H + 2 * KV) + H * h + h + 2 * h * I + I * h  # RMSNorms, q k v o, gate up down
+        return 2 * V * h + n * layer + h
 
     def model_shape(self) -> ModelShape:
         """The shape the workspace is planned for."""
@@ -150,7 +210,7 @@ def model_spec(name: str, **overrides: Any) -> ModelSpec:
     intermediate size is 4 x hidden unless given)."""
     key = ALIASES.get(name, name) if isinstance(name, str) else None  # [] or {}: unhashable
     if key not in PRESETS:
-        raise ConfigError(f"model: got {name!r}; valid: {', '.join([*ALIASES, *PRESETS])}", argument="model")
+        raise ConfigError(f"model: got {_brief(name)}; valid: {', '.join([*ALIASES, *PRESETS])}", argument="model")
     unknown = sorted(set(overrides) - set(_OVERRIDES))
     if unknown:
         raise ConfigError(f"{unknown[0]}: not a field of the model; valid: {', '.join(_OVERRIDES)}",
@@ -167,3 +227,76 @@ def model_spec(name: str, **overrides: Any) -> ModelSpec:
             fields["intermediate"] = 4 * given["hidden"]
     fields.update(given)
     return ModelSpec(**fields)
+
+
+# The planner's names of the model's sizes (its ConfigErrors name them) -> ModelSpec's
+_SHAPE_FIELDS = {"num_layers": "num_layers", "num_heads": "num_heads", "hidden_dim": "hidden", "head_dim": "head_dim"}
+
+
+def _overflows(spec: ModelSpec, batch_size: int, prompt_len: int, tokens: int, dtype: str) -> bool:
+    """Whether the workspace of `tokens` tokens per row passes 64 bits (no memory figure involved)."""
+    from ..errors import WorkspaceOOMError
+    from ..planning import plan_workspace
+
+    try:
+        plan_workspace(spec.model_shape(), batch_size=batch_size, prompt_len=prompt_len, max_out_tokens=tokens,
+                       min_out_tokens=tokens, dtype=dtype, free_bytes=INT64_MAX, total_bytes=INT64_MAX)
+    except ConfigError:
+        return True
+    except WorkspaceOOMError:
+        return False
+    return False
+
+
+def _decoder_terms(exc: ConfigError, spec: ModelSpec, batch_size: int, prompt_len: int, max_new_tokens: int,
+                   dtype: str) -> ConfigError:
+    """The planner's refusal of a decoder's plan in the decoder's terms. The decoder plans
+    max_out_tokens = min_out_tokens = prompt_len + max_new_tokens: the planner's errors that name
+    those (or a size of the model) are worded with the keywords the decoder has; `exc` itself
+    for any other."""
+    total = prompt_len + max_new_tokens
+    if exc.argument in _SHAPE_FIELDS:
+        field = _SHAPE_FIELDS[exc.argument]
+        if "overflow" not in str(exc):
+            return exc
+        return ConfigError(f"model: the model's {field}={_brief(getattr(spec, field))} makes the workspace's byte "
+                           f"count overflow 64 bits (batch_size={batch_size}, prompt_len + max_new_tokens = "
+                           f"{_brief(total)} tokens); reduce {field}", argument="model")
+    if exc.argument == "batch_size" and "overflow" in str(exc):  # its detail names max_out_tokens
+        return ConfigError(f"batch_size: batch_size={_brief(batch_size)} makes the workspace's byte count overflow "
+                           f"64 bits (prompt_len + max_new_tokens = {_brief(total)} tokens); reduce batch_size",
+                           argument="batch_size")
+    if exc.argument not in ("max_out_tokens", "min_out_tokens"):
+        return exc
+    if prompt_len >= INT64_MAX or _overflows(spec, batch_size, prompt_len, prompt_len + 1, dtype):
+        return ConfigError(f"prompt_len: prompt_len={_brief(prompt_len)} makes the workspace's byte count overflow "
+                           f"64 bits (batch_size={batch_size}), with any max_new_tokens; reduce prompt_len",
+                           argument="prompt_len")
+    if total > INT64_MAX:
+        return ConfigError(f"max_new_tokens: prompt_len + max_new_tokens = {_brief(total)} tokens; it must be "
+                           f"below 2**63", argument="max_new_tokens")
+    return ConfigError(f"max_new_tokens: prompt_len + max_new_tokens = {total} tokens make the workspace's byte "
+                       f"count overflow 64 bits (batch_size={batch_size}); reduce max_new_tokens",
+                       argument="max_new_tokens")
+
+
+def _check_request(spec: ModelSpec, batch_size: int, prompt_len: int, max_new_tokens: int, dtype: str) -> None:
+    """The decoder's request checked as far as it can be without a device or its memory: the
+    token count fits int64 and the workspace's byte count 64 bits (ConfigError in the decoder's
+    terms). Arithmetic only: nothing is allocated."""
+    from ..errors import WorkspaceOOMError
+    from ..planning import plan_workspace
+
+    total = prompt_len + max_new_tokens
+    try:
+        if total > INT64_MAX:
+            raise ConfigError("max_out_tokens: past int64", argument="max_out_tokens")
+        plan_workspace(spec.model_shape(), batch_size=batch_size, prompt_len=prompt_len, max_out_tokens=total,
+                       min_out_tokens=total, dtype=dtype, free_bytes=INT64_MAX, total_bytes=INT64_MAX)
+    except ConfigError as exc:
+        worded = _decoder_terms(exc, spec, batch_size, prompt_len, max_new_tokens, dtype)
+        if worded is exc:
+            raise
+        raise worded from None
+    except WorkspaceOOMError:
+        pass  # more than 2**63 bytes: no device holds it, which the context's own plan says
