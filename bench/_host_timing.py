@@ -13,7 +13,9 @@ def host_us_interleaved(torch, fns, calls=200, reps=21, keep=False, slack_us=80.
     takes, so the loop measures issuing, not completion. With `keep` the results stay alive until
     the loop ends (as a caller who keeps them); else each is dropped at once.
     """
-    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000)  # SM clock, kHz
+    # SM clock, kHz; a torch built for CUDA 13 may report 0 (the runtime dropped clockRate), and
+    # a sleep of 0 cycles would not hold the GPU at all.
+    khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 0) or 2_000_000
     cycles = int(khz * 1e3 * calls * slack_us * 1e-6)
     names = list(fns)
     for name in names:  # warm-up: first calls, allocator blocks, layout caches

@@ -320,14 +320,14 @@ def main(argv=None):
         # Whether the plain call takes the compiled torch path (it returns NotImplemented otherwise).
         fast_path = _core._torch_gemm(2, a, b, None, False, False, 1.0, 0.0, None, False) is not NotImplemented
 
-    report(results, host, props, args, fast_path)
+    mismatches = report(results, host, props, args, fast_path)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"),
                        "gpu": props.name, "torch": torch.__version__,
                        "cuda": torch.version.cuda, "command": " ".join(sys.argv),
                        "cases": results, "host_us_per_call": host}, f, indent=1)
-    return 0
+    return 1 if mismatches else 0  # a wrong result makes every figure beside it moot
 
 
 HOST_SHAPES = [(1, 4096, 4096), (8, 1024, 1024), (64, 64, 64)]
@@ -339,7 +339,7 @@ def report(results, host, props, args, fast_path):
     tuned = not args.no_tune
     if args.host_only:
         report_host(host, fast_path)
-        return
+        return 0
     print()
     print(f"GEMM, inferctx vs torch.matmul (out=), {props.name}, torch {torch.__version__}; "
           f"median device time per call")
@@ -352,6 +352,7 @@ def report(results, host, props, args, fast_path):
     print("-" * len(head))
     ratios = []
     default_ratios = []
+    mismatches = 0  # shapes whose result differs from torch's (or is NaN)
     for row in results:
         default_ratios.append(row["default_ms"] / row["torch_ms"])
         case = Case(row["group"], row["dtype"], row["m"], row["n"], row["k"], row["batch"],
@@ -365,6 +366,7 @@ def report(results, host, props, args, fast_path):
         diffs = (row["difference"], row.get("tuned_difference", 0.0))
         diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)  # max() may drop a NaN
         flag = "" if diff < 2e-2 else "  MISMATCH"
+        mismatches += bool(flag)
         short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[row["dtype"]]
         line = (f"{row['case']:34s} {short:5s} {row['torch_ms'] * 1e3:9.2f} "
                 f"{row['default_ms'] * 1e3:9.2f} {row['default_ms'] / row['torch_ms']:6.3f}")
@@ -375,13 +377,16 @@ def report(results, host, props, args, fast_path):
             line += f" {row['tune']['backend']}"  # what autotune_gemm chose
         print(line)
     worst_default = max(default_ratios)
+    # A verdict on times counts only where every result was right.
+    verdict = (lambda met: "PASS" if met else "MISS") if not mismatches else (lambda met: "FAIL (MISMATCH above)")
     print(f"default/torch: worst {worst_default:.3f} (target <= 1.02 on every shape): "
-          f"{'PASS' if worst_default <= 1.02 else 'MISS'}")
+          f"{verdict(worst_default <= 1.02)}")
     if tuned:
         geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
         print(f"tuned/torch: geometric mean {geomean:.3f} (target <= 0.99), worst {max(ratios):.3f}: "
-              f"{'PASS' if geomean <= 0.99 else 'MISS'}")
+              f"{verdict(geomean <= 0.99)}")
     report_host(host, fast_path)
+    return mismatches
 
 
 def report_host(host, fast_path):

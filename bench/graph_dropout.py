@@ -174,7 +174,7 @@ def host_figures(torch, inferctx, ctx, p, loops=20000, reps=15):
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)
     m = torch.empty(32, dtype=torch.int32, device="cuda")
-    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000)
+    khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 0) or 2_000_000
 
     def call():
         inferctx.dropout(x, p, out=y, mask_out=m)
