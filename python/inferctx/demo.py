@@ -150,7 +150,8 @@ def _check_sizes(spec: Any, args: argparse.Namespace) -> int:
     """What can be checked without a GPU, before anything is imported or built: the request's
     token and byte counts fit 64 bits (ConfigError in the decoder's terms), and the model's
     weights and workspace fit them too (DemoError). Returns the weights' bytes in the dtype."""
-    from .decoder._spec import INT64_MAX, _check_request, dtype_name
+    from ._plan_args import INT64_MAX
+    from .decoder._spec import _check_request, dtype_name
     from .dtypes import ITEMSIZE, dtype_code
     from .errors import WorkspaceOOMError
     from .planning import human_bytes, plan_workspace

@@ -23,7 +23,8 @@ from torch.utils.dlpack import from_dlpack
 
 from ..errors import ConfigError, TokenLimitError, WorkspaceStateError, _brief
 from ..planning import ModelShape, WorkspacePlan, plan_workspace
-from ._spec import INT64_MAX, _flag, _index
+from .._plan_args import INT64_MAX, INT64_MIN
+from ._spec import _flag, _index
 
 __all__ = ["GpuBackend", "CpuBackend", "CpuContext"]
 
@@ -158,7 +159,7 @@ def _int_arg(value: object, argument: str) -> int:
     n = _index(value)
     if n is None:
         raise ConfigError(f"{argument}: got {_brief(value)}; it must be an int", argument=argument)
-    if not -(1 << 63) <= n <= INT64_MAX:
+    if not INT64_MIN <= n <= INT64_MAX:
         raise ConfigError(f"{argument}: got {_brief(n)}; it is outside the 64-bit integer range", argument=argument)
     return n
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._plan import _as_bool
+from .._plan_args import INT64_MAX
 from ..dtypes import dtype_name as _dtype_name
 from ..errors import ConfigError, _brief
 from ..planning import ModelShape
@@ -17,13 +18,11 @@ __all__ = ["ModelSpec", "PRESETS", "ALIASES", "model_spec", "dtype_name", "DTYPE
 
 DTYPES = ("float32", "float16", "bfloat16")
 ARCHS = ("gpt2", "llama")
-INT64_MAX = (1 << 63) - 1
 
 
-def _flag(value: object, argument: str) -> bool:
-    """A flag argument: True or False (a numpy.bool_ too), as everywhere in the package; 1, None
-    and strings ("no" is not False) are a ConfigError naming `argument`."""
-    return _as_bool(value, argument)
+# A flag argument: True or False (a numpy.bool_ too), as everywhere in the package; 1, None and
+# strings ("no" is not False) are a ConfigError naming the argument.
+_flag = _as_bool
 
 
 def _index(value: object) -> int | None:
