@@ -1043,3 +1043,28 @@ def test_plain_torch_gemm_refuses_beta_without_out_after_the_signature_is_known(
     with pytest.raises(ConfigError) as info:
         inferctx.bmm(a[None], b[None], beta=1.0)
     assert info.value.argument == "beta"
+
+
+def test_bmm_into_its_inputs_own_buffer_as_a_user_calls_it(torch, ctx):
+    """bmm(a, b, out=buf[1::2]) with a = buf[0::2]: torch tensors as they come, the default
+    context, no use_stream, no synchronize between the call and the read. The caller's stream
+    is held by a sleep, the input is written behind it, and the read follows the call at once;
+    TRIALS times, each read exact (small integers, so any order of sums is exact)."""
+    batch, n = 4, 64
+    buf = torch.zeros((2 * batch, n, n), dtype=torch.float16, device="cuda")
+    b = _ints(torch, (batch, n, n), 7, torch.float16)
+    inferctx.bmm(buf[0::2], b, out=buf[1::2])  # a first call (algorithm choice) outside the trials
+    torch.cuda.synchronize()
+    reads, inputs = [], []
+    for trial in range(TRIALS):
+        torch.cuda._sleep(TRIAL_SLEEP_CYCLES)
+        buf[0::2].copy_(_ints(torch, (batch, n, n), 100 + trial, torch.float16))  # produced on the caller's stream
+        inferctx.bmm(buf[0::2], b, out=buf[1::2])
+        _still_busy(torch, trial)
+        reads.append(buf[1::2].clone())  # read on the caller's stream, straight after the call
+        inputs.append(buf[0::2].clone())
+    torch.cuda.synchronize()
+    for trial, (got, a) in enumerate(zip(reads, inputs)):
+        want = (a.double() @ b.double()).to(torch.float16)
+        assert torch.equal(got, want), trial
+        assert torch.equal(a, _ints(torch, (batch, n, n), 100 + trial, torch.float16)), trial  # a not written
