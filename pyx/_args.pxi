@@ -32,7 +32,8 @@ cdef int64_t _int_arg_slow(object value, str argument) except? -1:
         raise _ConfigError(f"{argument}: got {value!r} ({_type_name(value)}); it must be an integer",
                            argument=argument) from None
     if not -(1 << 63) <= value < (1 << 63):
-        raise _ConfigError(f"{argument}: got {value}; it is outside the 64-bit integer range",
+        raise _ConfigError(f"{argument}: got {_errors._brief(value)}; it is outside the 64-bit "
+                           f"integer range",
                            argument=argument)
     return value
 
@@ -76,7 +77,8 @@ cdef uint64_t _uint64_arg_slow(object value, str argument) except? 0:
         raise _ConfigError(f"{argument}: got {value!r} ({_type_name(value)}); it must be an "
                            f"integer in [0, 2**64)", argument=argument) from None
     if not 0 <= value < (1 << 64):
-        raise _ConfigError(f"{argument}: got {value}; it must be in [0, 2**64)", argument=argument)
+        raise _ConfigError(f"{argument}: got {_errors._brief(value)}; it must be in [0, 2**64)",
+                           argument=argument)
     return <uint64_t>value
 
 
@@ -103,20 +105,20 @@ cdef tuple _shape_arg(object shape, str argument):
     else:
         items = (shape,)
     out = []
-    for item in items:
+    for i, item in enumerate(items):
         if _is_flag(item):
-            raise _ConfigError(f"{argument}: got {shape!r}; its entries must be integers",
-                               argument=argument)
+            raise _ConfigError(f"{argument}: got {_errors._brief(shape)}; its entries must be "
+                               f"integers", argument=argument)
         try:
             n = _operator.index(item)
         except TypeError:
-            raise _ConfigError(f"{argument}: got {shape!r}; its entries must be integers",
-                               argument=argument) from None
+            raise _ConfigError(f"{argument}: got {_errors._brief(shape)}; its entries must be "
+                               f"integers", argument=argument) from None
         if n < -1:
-            raise _ConfigError(f"{argument}: got {shape!r}; sizes must be >= 0 (one may be -1 to "
-                               f"take what is left)", argument=argument)
+            raise _ConfigError(f"{argument}: entry {i} is {_errors._brief(n)}; sizes must be >= 0 "
+                               f"(one may be -1 to take what is left)", argument=argument)
         if n > INT64_MAX:
-            raise _ConfigError(f"{argument}: got {shape!r}; a size must be below 2**63",
-                               argument=argument)
+            raise _ConfigError(f"{argument}: entry {i} is {_errors._brief(n)}; a size must be below "
+                               f"2**63", argument=argument)
         out.append(n)
     return tuple(out)

@@ -280,8 +280,9 @@ cdef tuple _dlpack_device_checked(object obj, object dlpack_device, str argument
     got = dlpack_device()
     if _is_device_pair(got):
         return (int(got[0]), int(got[1]))
-    raise _ConfigError(f"{argument}: {_type_name(obj)}.__dlpack_device__() returned {got!r}; DLPack "
-                       f"gives a (device_type, device_id) tuple of two ints", argument=argument)
+    raise _ConfigError(f"{argument}: {_type_name(obj)}.__dlpack_device__() returned "
+                       f"{_errors._brief(got)}; DLPack gives a (device_type, device_id) tuple of "
+                       f"two 32-bit ints", argument=argument)
 
 
 cdef CudaArray _from_torch(object t, str argument):
@@ -384,6 +385,26 @@ cdef class _Call:
         self.abandon()
 
 
+cdef int _ctx_stream_args(object ctx, object stream) except -1:
+    """What needs no device is named first: a bad ctx or stream object is the caller's error
+    even where the operands' device cannot be read (no GPU, or not CUDA memory)."""
+    if ctx is not None and not isinstance(ctx, InferenceContext):
+        _bad_ctx(ctx)
+    if stream is not None:
+        _stream_handle(stream, "stream")
+    return 0
+
+
+def _check_ctx_stream(ctx, stream):
+    """_ctx_stream_args for python/inferctx/gemm.py, which reads devices before _begin."""
+    _ctx_stream_args(ctx, stream)
+
+
+cdef int _bad_ctx(object ctx) except -1:
+    raise _ConfigError(f"ctx: got {_type_name(ctx)}; pass an inferctx.InferenceContext or None",
+                       argument="ctx")
+
+
 cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x"):
     """The streams of a call on `operands` (its arrays in argument order; None for absent ones):
     picks the context, the stream the work runs on and the result package, and makes that
@@ -394,6 +415,7 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x")
     cdef int package
     cdef bint plain = False
     cdef int device = -1
+    _ctx_stream_args(ctx, stream)
     for obj in operands:
         if obj is None:
             continue
@@ -423,8 +445,7 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x")
                                f"ctx=InferenceContext.instance({device}) or leave ctx=None",
                                argument="ctx")
     else:
-        raise _ConfigError(f"ctx: got {type(ctx).__name__}; pass an inferctx.InferenceContext or "
-                           f"None", argument="ctx")
+        _bad_ctx(ctx)
     call.ctx = context
     call.device = context.device
     if stream is not None:

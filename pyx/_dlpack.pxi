@@ -206,11 +206,17 @@ cdef int _copy_mode(object copy) except -2:
     raise _ConfigError(f"copy: got {copy!r}; valid: None, True or False", argument="copy")
 
 
+cdef bint _is_int32(object value):
+    """An int (not a bool) that a C int32_t holds, as DLPack's device_type and device_id are."""
+    return (isinstance(value, int) and not PyBool_Check(value)
+            and -(1 << 31) <= value < (1 << 31))
+
+
 cdef bint _is_device_pair(object value):
-    """Whether `value` is a DLPack (device_type, device_id) pair: a tuple of two ints, no bools."""
+    """Whether `value` is a DLPack (device_type, device_id) pair: a tuple of two 32-bit ints
+    (DLDevice's two int32_t fields), no bools."""
     return (isinstance(value, tuple) and len(value) == 2
-            and isinstance(value[0], int) and not PyBool_Check(value[0])
-            and isinstance(value[1], int) and not PyBool_Check(value[1]))
+            and _is_int32(value[0]) and _is_int32(value[1]))
 
 
 cdef tuple _dl_device_arg(object dl_device):
@@ -218,6 +224,7 @@ cdef tuple _dl_device_arg(object dl_device):
     if dl_device is None:
         return None
     if not _is_device_pair(dl_device):
-        raise BufferError(f"dl_device: got {dl_device!r}; the DLPack spec passes a "
-                          f"(device_type, device_id) tuple such as (1, 0) for the CPU")
+        raise BufferError(f"dl_device: got {_errors._brief(dl_device)}; the DLPack spec passes a "
+                          f"(device_type, device_id) tuple of 32-bit ints, such as (1, 0) for "
+                          f"the CPU")
     return (int(dl_device[0]), int(dl_device[1]))

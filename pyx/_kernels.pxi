@@ -13,13 +13,13 @@ cdef dict _MASK_MODES = {None: 0, "bytes": 1, "bits": 2}
 
 cdef double _probability_arg(object p) except? -1:
     if _is_flag(p) or not isinstance(p, (int, float)) and not hasattr(p, "__float__"):
-        raise _ConfigError(f"p: got {p!r}; it must be a number in [0, 1], the probability of "
+        raise _ConfigError(f"p: got {_errors._brief(p)}; it must be a number in [0, 1], the probability of "
                            f"dropping an element", argument="p")
     cdef double v
     try:
         v = float(p)
     except (OverflowError, ValueError, TypeError):
-        raise _ConfigError(f"p: got {p!r}, which is not a finite number; it must be a number in "
+        raise _ConfigError(f"p: got {_errors._brief(p)}, which is not a finite number; it must be a number in "
                            f"[0, 1], the probability of dropping an element", argument="p") from None
     if isnan(v) or v < 0.0 or v > 1.0:
         raise _ConfigError(f"p: got {v!r}; it must be in [0, 1], the probability of dropping an "
@@ -150,9 +150,13 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     if mask_out is not None and mode == 0:
         raise _ConfigError("mask_out: given with mask=None; pass mask='bits' or 'bytes'",
                            argument="mask_out")
+    cdef uint64_t s = 0, o = 0
+    if seed is not None:  # checked before the operands' device is looked up
+        s = _uint64_arg(seed, "seed")
+        o = _uint64_arg(offset, "offset")
     cdef _Call call = _begin_call((x, out, mask_out), ctx, stream)
     try:
-        done = _dropout_on(call, x, prob, out, mode, mask_out, seed, offset)
+        done = _dropout_on(call, x, prob, out, mode, mask_out, seed is not None, s, o)
     except BaseException:
         call.abandon()
         raise
@@ -161,15 +165,11 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
 
 
 cdef tuple _dropout_on(_Call call, object x, double prob, object out, int mode, object mask_out,
-                       object seed, object offset):
+                       bint explicit, uint64_t s, uint64_t o):
     """dropout's checks, results and launch on a begun call (see dropout)."""
     cdef InferenceContext context = call.ctx
     cdef CudaArray a = call.array(x, "x")
     cdef int dtype = _kernel_dtype(a, "x")
-    cdef uint64_t s = 0, o = 0
-    if seed is not None:
-        s = _uint64_arg(seed, "seed")
-        o = _uint64_arg(offset, "offset")
     cdef int64_t n = a.size
     # The outputs given are checked before any is allocated.
     cdef uintptr_t y_ptr = 0
@@ -201,7 +201,7 @@ cdef tuple _dropout_on(_Call call, object x, double prob, object out, int mode, 
     cdef int dev = a.device
     # The context's state (increment_offset(4), or a graph call site under capture; _graph_rng.pxi)
     # unless seed/offset were given.
-    _dropout_launch(context, xp, yp, <void*>mask_ptr, n, dtype, prob, mode, seed is not None, s, o,
+    _dropout_launch(context, xp, yp, <void*>mask_ptr, n, dtype, prob, mode, explicit, s, o,
                     call.kernel, dev)
     return y, m
 

@@ -232,6 +232,7 @@ class _Call:
 
 def _begin(operands: tuple[Any, ...], ctx: InferenceContext | None = None, stream: Any = None,
            first: str = "a") -> _Call: ...
+def _check_ctx_stream(ctx: Any, stream: Any) -> None: ...
 
 # -- kernel interop (pyx/_interop.pxi) ------------------------------------------------------
 

@@ -421,10 +421,11 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
     b_device = _device_hint(b, "b", name)
     if out is not None:
         _device_hint(out, "out", name)
+    if ctx is not None and device is not None and device != _context_device(ctx):
+        _ctx_device_error(name, device, _context_device(ctx))
+    _core._check_ctx_stream(ctx, stream)  # named before a device is asked for its context
     if ctx is None and device is None and b_device is not None:
         ctx = _core.InferenceContext.instance(b_device)  # the device's one context
-    elif ctx is not None and device is not None and device != _context_device(ctx):
-        _ctx_device_error(name, device, _context_device(ctx))
     call = _core._begin((a, b, out), ctx, stream)
     try:
         va = call.import_array(a, "a")

@@ -186,6 +186,89 @@ def test_dropout_mask_that_is_no_mask_name_is_refused_naming_mask(mask):
     assert info.value.argument == "mask" and "'bits' (default), 'bytes' or None" in str(info.value)
 
 
+def _kernel_calls():
+    import inferctx
+
+    return {
+        "dropout": lambda x, **kw: inferctx.dropout(x, 0.5, **kw),
+        "apply_mask": lambda x, **kw: inferctx.apply_mask(x, x, 0.5, **kw),
+        "gemm": lambda x, **kw: inferctx.gemm(x, x, **kw),
+        "bmm": lambda x, **kw: inferctx.bmm(x, x, **kw),
+    }
+
+
+@pytest.mark.parametrize("kernel", ["dropout", "apply_mask", "gemm", "bmm"])
+@pytest.mark.parametrize("keyword,value", [("ctx", "cuda:0"), ("ctx", 0), ("stream", object()),
+                                           ("stream", -1), ("stream", 2**64), ("stream", True),
+                                           ("stream", 1 << 20000)],
+                         ids=["ctx-str", "ctx-int", "stream-object", "stream-negative",
+                              "stream-2**64", "stream-bool", "stream-20001-bits"])
+def test_arguments_a_kernel_can_check_without_a_device_are_named_before_one(kernel, keyword, value):
+    """A ctx that is no InferenceContext, or a stream= that is no stream, is the caller's error
+    whatever the operands are: it is named before their device is looked up, so on a machine
+    without a GPU it is a ConfigError on that keyword, not NoCudaDeviceError."""
+    x = CtypesProducer(True, False)  # says it is CUDA memory of device 0
+    with pytest.raises(ConfigError) as info:
+        _kernel_calls()[kernel](x, **{keyword: value})
+    assert info.value.argument == keyword
+    assert x.calls == []  # the operand was not imported
+
+
+@pytest.mark.parametrize("seed,offset,argument", [(-1, 0, "seed"), (0, 2**64, "offset"),
+                                                  (1.5, 0, "seed"), (0, "4", "offset"),
+                                                  (True, 0, "seed"), (0, None, "offset")])
+def test_dropout_seed_and_offset_are_named_before_any_device(seed, offset, argument):
+    import inferctx
+
+    x = CtypesProducer(True, False)
+    with pytest.raises(ConfigError) as info:
+        inferctx.dropout(x, 0.5, seed=seed, offset=offset)
+    assert info.value.argument == argument
+    assert x.calls == []
+
+
+def test_integers_too_long_to_print_are_described_by_their_size():
+    """str() of an int past 4300 digits raises ValueError; a message naming one must not."""
+    import inferctx
+
+    huge = 1 << 20000  # 20001 bits, 6021 digits
+    x = CtypesProducer(True, False)
+    checks = [
+        ("p", lambda: inferctx.dropout(x, huge)),
+        ("seed", lambda: inferctx.dropout(x, 0.5, seed=huge, offset=0)),
+        ("offset", lambda: inferctx.dropout(x, 0.5, seed=0, offset=-huge)),
+        ("stream", lambda: inferctx.dropout(x, 0.5, stream=huge)),
+        ("device", lambda: inferctx.InferenceContext.instance(huge)),
+    ]
+    for argument, call in checks:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == argument
+        assert "an integer of 20001 bits" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("device", [(2, 1 << 31), (1 << 31, 0), (2, -(1 << 31) - 1), (2, 1 << 20000)],
+                         ids=["id-2**31", "type-2**31", "id-below-int32", "id-20001-bits"])
+def test_a_dlpack_device_outside_32_bits_is_named(device):
+    """DLDevice holds two int32_t: a __dlpack_device__ past that range is no device, named as
+    ConfigError on the argument (it was an OverflowError from the conversion to C int)."""
+    class Producer:
+        def __dlpack_device__(self):
+            return device
+
+        def __dlpack__(self, **kwargs):
+            raise AssertionError("not to be called for a device that does not exist")
+
+    with pytest.raises(ConfigError, match=r"tuple of two 32-bit ints") as info:
+        _core._as_cuda_array(Producer(), "x")
+    assert info.value.argument == "x"
+    import inferctx
+
+    with pytest.raises(ConfigError, match=r"tuple of two 32-bit ints") as info:
+        inferctx.gemm(Producer(), Producer())
+    assert info.value.argument == "a"
+
+
 # -- DeviceView as a CudaArray ----------------------------------------------------------------
 
 @pytest.mark.gpu
