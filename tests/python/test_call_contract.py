@@ -11,6 +11,7 @@ data whose products are exact in every dtype; dropout with a fixed Philox state)
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -21,12 +22,20 @@ from inferctx.errors import ConfigError
 
 pytestmark = pytest.mark.gpu
 
-TRIALS = 200
-SLEEP_CYCLES = 200_000  # about 0.1 ms at the H200's clock: far longer than a launch
+# Under compute-sanitizer (tools/gpu-suite pysanitize sets INFERCTX_SANITIZE) every CUDA call of
+# the host takes a millisecond or more, so a sleep sized for the bare host ends before the call it
+# must outlast: the sleeps are 50 times longer there, and the ordering trials fewer (20 of them,
+# each still checked to have found the caller's stream busy).
+SANITIZED = bool(os.environ.get("INFERCTX_SANITIZE"))
+_SLOWER = 50 if SANITIZED else 1
+TRIALS = 20 if SANITIZED else 200
+SLEEP_CYCLES = 200_000 * _SLOWER  # about 0.1 ms at the H200's clock: far longer than a launch
 # Each ordering trial's sleep: about 1 ms, longer than a trial takes on the host, so the caller's
 # stream is still busy (its queue grows from trial to trial) when the inferctx call is made; the
 # trials check that it is (_still_busy), or they would test nothing.
-TRIAL_SLEEP_CYCLES = 2_000_000
+TRIAL_SLEEP_CYCLES = 2_000_000 * _SLOWER
+# The single long sleeps below (0.05-0.25 s), which must outlast a few calls and a gc.collect.
+_LONG = 10 if SANITIZED else 1
 
 
 def _still_busy(torch, trial):
@@ -644,7 +653,7 @@ n = 1 << 22
 x = _core._empty(0, (n,), "float32")
 sys.modules["torch"] = real  # the same number of modules: inferctx does not look again
 with torch.cuda.stream(torch.cuda.ExternalStream(own)):
-    torch.cuda._sleep(100_000_000)  # ~50 ms on the context's own stream, before the work
+    torch.cuda._sleep(100_000_000 * _LONG)  # ~50 ms on the context's own stream, before the work
     torch.from_dlpack(x).fill_(1.0)
 y = x
 for _ in range(8):
@@ -700,7 +709,7 @@ with side:
     x = _core._empty(0, (n,), "float32")
     sys.modules["torch"] = real  # the same number of modules: inferctx does not look again
     with torch.cuda.stream(torch.cuda.ExternalStream(side.ptr)):
-        torch.cuda._sleep(100_000_000)  # ~50 ms on CuPy's current stream, before the work
+        torch.cuda._sleep(100_000_000 * _LONG)  # ~50 ms on CuPy's current stream, before the work
         torch.from_dlpack(x).fill_(1.0)
     y = x
     for _ in range(8):
@@ -865,7 +874,7 @@ def test_a_result_made_on_an_inferctx_stream_is_let_go_without_waiting_for_the_d
     torch.cuda.synchronize()
     busy = torch.cuda.Stream()
     with torch.cuda.stream(busy):
-        torch.cuda._sleep(500_000_000)  # about 250 ms
+        torch.cuda._sleep(500_000_000 * _LONG)  # about 250 ms
     before = pool.allocations
     del y
     gc.collect()
@@ -877,7 +886,7 @@ def test_a_result_made_on_an_inferctx_stream_is_let_go_without_waiting_for_the_d
     del s
     gc.collect()
     with torch.cuda.stream(busy):
-        torch.cuda._sleep(100_000_000)
+        torch.cuda._sleep(100_000_000 * _LONG)
     del y
     gc.collect()
     assert busy.query(), "a result used on a destroyed stream was freed without a device synchronisation"
@@ -899,7 +908,7 @@ def test_pool_block_is_not_reused_while_a_consumer_stream_reads_it(torch, ctx):
     y, _ = inferctx.dropout(x, 0.0, mask=None)
     y_ptr = y.ptr
     with torch.cuda.stream(side):
-        torch.cuda._sleep(400_000_000)  # about 200 ms: far past gc.collect and the calls below
+        torch.cuda._sleep(400_000_000 * _LONG)  # about 200 ms: far past gc.collect and the calls below
         t = torch.from_dlpack(y)  # consumer: the side stream (noted in the export)
         total = t.sum()
     del t, y
