@@ -3,6 +3,7 @@ interface, host copies, and the refusal of the buffer protocol."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 
 import pytest
@@ -259,10 +260,15 @@ def test_host_copy_through_numpy(ctx):
 @pytest.mark.gpu
 def test_host_copy_capsule_is_flagged_copied(ctx):
     k, _ = ctx.kv_cache(0)
+    # Written first: the copy reads every byte of k (compute-sanitizer's initcheck reported the
+    # copy of a never-written kv_cache), and its bytes are then k's.
+    values = (np.arange(k.size, dtype=np.float16) % 2048).reshape(KV_SHAPE)
+    fill(k, values)
     capsule = k.__dlpack__(dl_device=(1, 0), max_version=(1, 0))
     managed, t, shape, _ = read(capsule)
     assert managed.flags & IS_COPIED and (t.device.device_type, t.device.device_id) == (1, 0)
     assert t.data != k.ptr and shape == list(KV_SHAPE)
+    assert ctypes.string_at(t.data + t.byte_offset, k.nbytes) == values.tobytes()
 
 
 @pytest.mark.gpu
