@@ -274,6 +274,7 @@ def test_host_copy_capsule_is_flagged_copied(ctx):
 @pytest.mark.gpu
 def test_device_copy_on_request(ctx):
     k, v = ctx.kv_cache(0)
+    fill(k, np.ones(KV_SHAPE, dtype=np.float16))  # the copy reads every byte: written ones, for initcheck
     capsule = k.__dlpack__(copy=True, max_version=(1, 0))
     managed, t, shape, strides = read(capsule)
     assert managed.flags & IS_COPIED and t.device.device_type == 2 and t.data != k.ptr
