@@ -37,7 +37,8 @@ def _text(value) -> str:
 
 def _cache_path(path: Any) -> str:
     """path as a file name (os.fspath, bytes decoded); ConfigError('path') for a value that is
-    none: another type (an int is no file descriptor here), an empty name, a NUL character."""
+    none: another type (an int is no file descriptor here), an empty name, a NUL character or a
+    lone surrogate, a folder's name ('x/', 'x/.'), a name that opens nothing yet resolves to a file."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise ConfigError(f"path: got {_brief(path)} ({type(path).__name__}); give a file name "
                           f"(a str or os.PathLike)", argument="path")
@@ -50,6 +51,20 @@ def _cache_path(path: Any) -> str:
     if "\x00" in name:
         raise ConfigError(f"path: got {_brief(name)}, which holds a NUL character; no file name can",
                           argument="path")
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") in a str
+        raise ConfigError(f"path: got {_brief(name)}, which holds {exc.object[exc.start]!r}: no file name "
+                          f"can ({exc.reason}); give a file name", argument="path") from None
+    # A save replaces the file the name resolves to (os.path.realpath), having merged what the name
+    # itself opens: "gemm.json/" (a folder's name) or "missing/../gemm.json" opens nothing, and
+    # gemm.json would be replaced without its entries (and "x/" made a file x).
+    if os.path.basename(name) in ("", ".", ".."):
+        raise ConfigError(f"path: got {_brief(name)}, which names a folder, not a file; give a file "
+                          f"name (as 'gemm.json' or 'folder/gemm.json')", argument="path")
+    if not os.path.exists(name) and os.path.exists(os.path.realpath(name)):
+        raise ConfigError(f"path: got {_brief(name)}, which names no file the system can open, yet resolves to "
+                          f"the existing {os.path.realpath(name)}; give that file's own name", argument="path")
     return name
 
 
@@ -200,7 +215,8 @@ def _read_cache_file(path) -> list:
         raise ConfigError(f"path: {path} is not an inferctx GEMM cache (no \"format\": "
                           f"\"{_FORMAT}\" with an \"entries\" list); it should be a file written "
                           f"by save_gemm_cache", argument="path")
-    if document.get("version") != _VERSION:
-        raise ConfigError(f"path: {path} has cache format version {_brief(document.get('version'))}; "
-                          f"this inferctx reads version {_VERSION}", argument="path")
+    version = document.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version != _VERSION:  # not true, not 1.0
+        raise ConfigError(f"path: {path} has cache format version {_brief(version)}; "
+                          f"this inferctx reads version {_VERSION} (a JSON integer)", argument="path")
     return document["entries"]

@@ -3,32 +3,33 @@ entry's problem, and the progress bar. Internal to inferctx.gemm."""
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import sys
 import time
 
 from ._gemm_cache import _PROBLEM_FIELDS
-from .errors import ConfigError
+from .errors import ConfigError, _brief
 
 
 def _tune_shapes(shapes):
     """(batch, m, n, k) tuples of positive ints from (m, n, k) / (batch, m, n, k) items."""
     if isinstance(shapes, (str, bytes)) or not hasattr(shapes, "__iter__"):
-        raise ConfigError(f"shapes: got {shapes!r}; it must be a list of (m, n, k) or "
+        raise ConfigError(f"shapes: got {_brief(shapes)}; it must be a list of (m, n, k) or "
                           f"(batch, m, n, k) tuples", argument="shapes")
     shapes = list(shapes)
     if shapes and all(isinstance(s, numbers.Integral) for s in shapes):
         shapes = [tuple(shapes)]  # one shape given bare
     out = []
     for item in shapes:
-        try:
-            dims = tuple(item)
+        try:  # five at most: enough to refuse a longer one (a range(10**18) is not read whole)
+            dims = tuple(itertools.islice(item, 5))
         except TypeError:
             dims = None
         if (dims is None or len(dims) not in (3, 4)
                 or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 1 <= d < 1 << 63
                        for d in dims)):
-            raise ConfigError(f"shapes: got {item!r}; each shape is (m, n, k) or (batch, m, n, k) "
+            raise ConfigError(f"shapes: got {_brief(item)}; each shape is (m, n, k) or (batch, m, n, k) "
                               f"with integers in [1, 2**63)", argument="shapes")
         dims = tuple(int(d) for d in dims)
         out.append(dims if len(dims) == 4 else (1,) + dims)
@@ -49,8 +50,9 @@ class _Progress:
     def __init__(self, total, enabled, stream=None):
         self.total = total
         self.count = 0
-        self.enabled = enabled and total > 0
         self.stream = stream if stream is not None else sys.stderr
+        # sys.stderr is None where Python runs without one (pythonw, some services): no bar there.
+        self.enabled = enabled and total > 0 and self.stream is not None
         isatty = getattr(self.stream, "isatty", None)
         self.tty = bool(isatty and isatty())
         self.began = time.perf_counter()

@@ -163,7 +163,7 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
             ("repeats", repeats, 1, (1 << 31) - 1, "[1, 2**31)")):
         if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
                 or value > high):
-            raise ConfigError(f"{name}: got {value!r}; it must be an integer in {valid}",
+            raise ConfigError(f"{name}: got {_brief(value)}; it must be an integer in {valid}",
                               argument=name)
     # The cache file is read and its entries checked before the device is looked up, so that a
     # bad one is named as such on any machine; they go into the cache once there is a context.
@@ -461,7 +461,7 @@ _FLOAT32_MAX = 3.4028234663852886e38
 def _scalar(value, argument) -> float:
     """alpha or beta: a real number the product can scale by in float32 (finite there)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{argument}: got {value!r}; it must be a real number", argument=argument)
+        raise ConfigError(f"{argument}: got {_brief(value)}; it must be a real number", argument=argument)
     try:
         x = float(value)
     except OverflowError:
@@ -483,8 +483,10 @@ def _context_of_current_device():
 
 def _context_device(ctx) -> int:
     device = getattr(ctx, "device", None)
-    if isinstance(device, bool) or not isinstance(device, int):
-        raise ConfigError(f"ctx: got {ctx!r}; it must be an inferctx.InferenceContext",
+    # A context's device is a CUDA ordinal: another value is no context's (and 10**5000 could not
+    # even be shown in the device-mismatch message).
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < (1 << 31):
+        raise ConfigError(f"ctx: got {_brief(ctx)}; it must be an inferctx.InferenceContext",
                           argument="ctx")
     return device
 

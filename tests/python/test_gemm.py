@@ -1382,3 +1382,131 @@ def test_module_exports():
     bound = str(info.value).split("at most ")[1].split(" ")[0]
     assert gm._scalar(float(bound), "alpha") == float(bound)
     assert gm._scalar(np.float32(0.5), "alpha") == 0.5
+
+
+# ---------------------------------------------------------------------------------------
+# Values a message cannot show whole, names that open no file, and odd cache documents
+
+
+class _NoRepr:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+def test_argument_messages_show_values_their_repr_cannot(tuner):
+    # An integer past Python's 4300-digit str limit, or an object whose __repr__ raises, is shown
+    # as _brief shows it: the ConfigError naming the argument, not the repr's own error.
+    x = ClaimsCuda()
+    huge = 10**5000
+    for call, argument, words in [
+            (lambda: gm.gemm(x, x, alpha=_NoRepr()), "alpha", "alpha: got <_NoRepr object>; it must be a real number"),
+            (lambda: gm.bmm(x, x, beta=_NoRepr()), "beta", "beta: got <_NoRepr object>; it must be a real number"),
+            (lambda: gm.gemm(x, x, ctx=_NoRepr()), "ctx", "ctx: got <_NoRepr object>; it must be an inferctx"),
+            (lambda: gm.autotune_gemm([(huge, 1, 1)], "bf16", progress=False), "shapes", "each shape is (m, n, k)"),
+            (lambda: gm.autotune_gemm((huge, 1, 1), "bf16", progress=False), "shapes", "each shape is (m, n, k)"),
+            (lambda: gm.autotune_gemm([_NoRepr()], "bf16", progress=False), "shapes", "got <_NoRepr object>"),
+            (lambda: gm.autotune_gemm(_NoRepr(), "bf16", progress=False), "shapes", "got <_NoRepr object>"),
+            (lambda: gm.autotune_gemm([(4, 4, 4)], "bf16", progress=False, max_algorithms=huge), "max_algorithms",
+             "max_algorithms: got an integer of 16610 bits; it must be an integer in [1, 256]"),
+            (lambda: gm.autotune_gemm([(4, 4, 4)], "bf16", progress=False, warmup=-huge), "warmup",
+             "warmup: got an integer of 16610 bits"),
+            (lambda: gm.autotune_gemm([(4, 4, 4)], "bf16", progress=False, repeats=huge), "repeats",
+             "repeats: got an integer of 16610 bits"),
+            (lambda: gm.autotune_gemm([(4, 4, 4)], "bf16", progress=False, ctx=_NoRepr()), "ctx",
+             "ctx: got <_NoRepr object>")]:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == argument and words in str(info.value), str(info.value)
+    assert tuner.tunes == []
+    # A long value is clipped.
+    for call, argument in [(lambda: gm.gemm(x, x, alpha=[0] * 100_000), "alpha"),
+                           (lambda: gm.gemm(x, x, ctx=[0] * 100_000), "ctx"),
+                           (lambda: gm.autotune_gemm([[0] * 100_000], "bf16", progress=False), "shapes")]:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == argument and len(str(info.value)) < 400, str(info.value)[:500]
+
+
+def test_a_ctx_whose_device_is_no_cuda_ordinal_is_no_context():
+    # A context's device is an ordinal in [0, 2**31); 10**5000 could not even be printed in the
+    # device-mismatch message.
+    x = ClaimsCuda()
+    for device in (10**5000, 2**31, -1):
+        with pytest.raises(ConfigError) as info:
+            gm.gemm(x, x, ctx=types.SimpleNamespace(device=device))
+        assert info.value.argument == "ctx"
+        assert "it must be an inferctx.InferenceContext" in str(info.value), str(info.value)
+
+
+def test_shape_items_are_read_no_further_than_a_shape(tuner):
+    # A shape has 3 or 4 dimensions: an item is not read whole to find it has more.
+    for shapes in ([range(1, 10**18)], [(4, 4, 4), iter(range(1, 10**18))]):
+        with pytest.raises(ConfigError) as info:
+            _within(10, lambda: gm.autotune_gemm(shapes, "bf16", progress=False))
+        assert info.value.argument == "shapes" and "each shape is (m, n, k)" in str(info.value)
+    assert tuner.tunes == []
+
+
+def test_autotune_without_stderr_draws_no_bar(tuner, monkeypatch):
+    # sys.stderr is None under pythonw and in some services: the progress bar has nowhere to go.
+    monkeypatch.setattr("sys.stderr", None)
+    [r] = gm.autotune_gemm([(8, 16, 32)], "float16")
+    assert r["skipped"] is False and len(tuner.tunes) == 1
+
+
+def test_cache_paths_with_a_lone_surrogate(tuner, tmp_path, monkeypatch):
+    # No file name can hold "\ud800" (it is no UTF-8): named as such before anything is tuned.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    monkeypatch.chdir(tmp_path)
+    for call, argument in [(lambda: gm.load_gemm_cache("a\ud800.json"), "path"),
+                           (lambda: gm.save_gemm_cache("a\ud800.json"), "path"),
+                           (lambda: gm.save_gemm_cache("a\ud800.json", merge=False), "path"),
+                           (lambda: gm.autotune_gemm([(4, 4, 4)], "bf16", progress=False,
+                                                     cache_file="a\ud800.json"), "cache_file")]:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == argument
+        assert f"{argument}: got 'a\\ud800.json', which holds '\\ud800': no file name can" in str(info.value), \
+            str(info.value)
+    assert len(tuner.tunes) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_names_that_open_no_file_never_replace_one(tuner, tmp_path, monkeypatch):
+    # "gemm.json/" (a folder's name), "gemm.json/." and "missing/../gemm.json" open no file, yet
+    # resolve to gemm.json: a save merged nothing and replaced it, losing its entries. Each is
+    # refused before anything is read, tuned or written; "new/" makes no file "new".
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    good = gm.gemm_cache_entries()[0]
+    monkeypatch.chdir(tmp_path)
+    text = json.dumps({"format": "inferctx-gemm-cache", "version": 1,
+                       "entries": [dict(good, device_name="Other GPU")]})
+    (tmp_path / "gemm.json").write_text(text)
+    for name, words in [("gemm.json/", "which names a folder, not a file"),
+                        ("gemm.json/.", "which names a folder, not a file"),
+                        ("new/", "which names a folder, not a file"),
+                        ("missing/../gemm.json", "which names no file the system can open")]:
+        for call, argument in [(lambda: gm.save_gemm_cache(name), "path"),
+                               (lambda: gm.save_gemm_cache(name, merge=False), "path"),
+                               (lambda: gm.load_gemm_cache(name), "path"),
+                               (lambda: gm.autotune_gemm([(4, 4, 4)], "bf16", progress=False,
+                                                         cache_file=name), "cache_file")]:
+            with pytest.raises(ConfigError) as info:
+                call()
+            assert info.value.argument == argument and words in str(info.value), str(info.value)
+        assert (tmp_path / "gemm.json").read_text() == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemm.json"] and len(tuner.tunes) == 1
+    assert gm.save_gemm_cache("gemm.json") == 2  # its own name merges
+
+
+@pytest.mark.parametrize("version", ["true", "1.0", "1e0"])
+def test_cache_file_version_is_the_integer_1(tuner, tmp_path, version):
+    # As an entry's integers refuse true and 1.0: the version is the JSON integer 1.
+    path = tmp_path / "gemm.json"
+    text = '{"format": "inferctx-gemm-cache", "version": %s, "entries": []}' % version
+    path.write_text(text)
+    for call in (lambda: gm.load_gemm_cache(path), lambda: gm.save_gemm_cache(path)):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == "path"
+        assert "has cache format version" in str(info.value) and "reads version 1" in str(info.value)
+    assert path.read_text() == text
