@@ -47,7 +47,7 @@ def _whole(text: str, low: int, high: int, valid: str) -> int:
     for int() (over 4300 digits) is described by its size, not taken for a non-number."""
     digits = text.strip().replace("_", "")
     sign = digits[:1] if digits[:1] in "+-" else ""
-    if len(digits) - len(sign) > 40 and digits[len(sign):].isdigit():  # past int64, and maybe past int()'s limit
+    if len(digits) - len(sign) > 40 and digits[len(sign):].isdecimal():  # past int64, and maybe past int()'s limit
         size = f"{len(digits) - len(sign):,}-digit number"
         if sign == "-":
             raise argparse.ArgumentTypeError(f"got a negative {size}; it must be >= {low}")

@@ -1173,3 +1173,97 @@ def test_the_readme_example_runs_as_written(gpu, tmp_path):
     done = subprocess.run([sys.executable, "-c", _readme_example()], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+# -- further argument checks ----------------------------------------------------------------------
+
+def test_model_spec_derives_gpt2s_intermediate_only_from_an_integer_hidden(capsys):
+    # hidden=object() was a bare TypeError (4 * object()); a hidden whose 4 x hidden passes 2**63 was
+    # blamed on intermediate, which the caller never gave (`--intermediate` in the demo).
+    from inferctx.decoder import model_spec
+
+    for bad in (object(), {}):
+        with pytest.raises(inferctx.ConfigError) as info:
+            model_spec("gpt2", hidden=bad)
+        assert info.value.argument == "hidden" and "it must be a positive integer" in str(info.value)
+    big = 3 * 2 ** 61  # below 2**63, divisible by 12; 4 x big is not below 2**63
+    with pytest.raises(inferctx.ConfigError) as info:
+        model_spec("gpt2", hidden=big)
+    assert info.value.argument == "hidden" and str(info.value) == (
+        f"hidden: got {big}; 4 x hidden (GPT-2's MLP size where intermediate is not given) must be below "
+        f"2**63: give a smaller hidden, or intermediate")
+    assert model_spec("gpt2", hidden=big, intermediate=8).intermediate == 8  # not derived: no such bound
+    code, out, err = run(capsys, "demo", "--model", "gpt2-tiny", "--hidden", str(big))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("inferctx demo: --hidden: got ") and "--intermediate: got" not in err, err
+
+
+def test_demo_digits_int_does_not_read_are_not_a_number(capsys):
+    # 41 superscript twos passed str.isdigit() and were called "a 41-digit number; it is too large".
+    code, out, err = run(capsys, "demo", "--batch", "\u00b2" * 41)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--batch" in err and "it must be a whole number" in err and "too large" not in err, err
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support")
+def test_cpu_prompt_without_dense_values_is_refused(cpu):
+    # A meta-device prompt was torch's NotImplementedError, a sparse one NotImplementedError
+    # (aminmax) or RuntimeError (sparse_csr).
+    torch = cpu
+    dec, _, prompt, _ = _cpu_decoder(torch, "gpt2-tiny", 4, 3, 3)
+    want = dec.generate(prompt).tokens
+    cases = [(torch.zeros(2, 4, dtype=torch.long, device="meta"), "on the meta device"),
+             (prompt.to_sparse(), "of layout sparse_coo"), (prompt.to_sparse_csr(), "of layout sparse_csr")]
+    for bad, words in cases:
+        for call in (dec.generate, dec.prefill):
+            with pytest.raises(inferctx.ConfigError) as info:
+                call(bad)
+            assert info.value.argument == "prompt" and str(info.value).startswith(
+                f"prompt: got a (2, 4) int64 tensor {words}") and "dense (strided) tensor" in str(info.value)
+    assert torch.equal(dec.generate(prompt).tokens, want)
+
+
+def test_cpu_generate_checks_the_prompts_shape_before_it_allocates_the_logits(cpu):
+    # With return_logits, a prompt the prefill refuses got logits [max_new_tokens, rows, vocab] first:
+    # torch's RuntimeError (can't allocate memory) for a large max_new_tokens.
+    torch = cpu
+    dec, ctx, prompt, _ = _cpu_decoder(torch, "gpt2-tiny", 4, 3, 3)
+    for bad, argument in ((torch.zeros(2, 5, dtype=torch.long), "prompt_len"),
+                          (torch.zeros(2, 0, dtype=torch.long), "prompt_len"),
+                          (torch.zeros(0, 4, dtype=torch.long), "batch_size"),
+                          (torch.zeros(3, 4, dtype=torch.long), "batch_size")):
+        with pytest.raises(inferctx.ConfigError) as info:
+            dec.generate(bad, 2 ** 40, return_logits=True)
+        assert info.value.argument == argument and "the prompt has" in str(info.value)
+    out = dec.generate(prompt, return_logits=True)
+    assert out.tokens.shape == (2, 3) and out.logits.shape == (3, 2, 512)
+
+
+def test_cpu_a_model_whose_weights_are_on_the_meta_device_is_refused(cpu):
+    # The copy of its weights was torch's NotImplementedError ("Cannot copy out of meta tensor").
+    torch = cpu
+    import transformers
+    from inferctx.decoder import CpuContext, ReferenceDecoder, model_spec
+
+    for name, cls, first in (("gpt2-tiny", transformers.GPT2LMHeadModel, "transformer.wte.weight"),
+                             ("llama-tiny", transformers.LlamaForCausalLM, "model.embed_tokens.weight")):
+        with torch.device("meta"):
+            model = cls(model_spec(name).hf_config())
+        ctx = CpuContext()
+        with pytest.raises(inferctx.ConfigError) as info:
+            ReferenceDecoder(model, batch_size=1, prompt_len=2, max_new_tokens=2, dtype="float32", ctx=ctx)
+        assert info.value.argument == "model" and str(info.value).startswith(
+            f"model: a {cls.__name__} whose weights are on the meta device (such as {first!r})")
+        assert ctx.max_token_length == 0  # refused before anything was planned
+
+
+def test_cpu_build_hf_model_refuses_weights_past_2_63_bytes(cpu):
+    # torch's RuntimeError ("Storage size calculation overflowed").
+    from inferctx.decoder import build_hf_model, model_spec
+
+    spec = model_spec("gpt2-tiny", vocab_size=2 ** 62)
+    with pytest.raises(inferctx.ConfigError) as info:
+        build_hf_model(spec)
+    assert info.value.argument == "spec" and str(info.value) == (
+        f"spec: the model has {spec.num_params:,} parameters: in float32 its weights need more than 2**63 "
+        f"bytes; give smaller num_layers, hidden, vocab_size or intermediate")

@@ -86,6 +86,12 @@ def _check_prompt(prompt: Any) -> None:
                if isinstance(prompt, torch.Tensor) else f"a {type(prompt).__name__}")
         raise ConfigError(f"prompt: got {got}; it must be a 2-D integer tensor [batch, length] of token ids",
                           argument="prompt")
+    if prompt.layout != torch.strided or prompt.device.type == "meta":
+        where = ("on the meta device, which holds no values" if prompt.device.type == "meta"
+                 else f"of layout {str(prompt.layout).replace('torch.', '')}")
+        raise ConfigError(f"prompt: got a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor "
+                          f"{where}; it must be a dense (strided) tensor of token ids on the CPU or a GPU",
+                          argument="prompt")
     if prompt.dtype not in _TOKEN_DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in _TOKEN_DTYPES)
         raise ConfigError(f"prompt: got a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor; "
@@ -458,9 +464,8 @@ class ReferenceDecoder:
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
-    def _prefill(self, prompt: torch.Tensor) -> None:
-        """prefill, the caller's stream not made to wait for it (generate does that once)."""
-        _check_prompt(prompt)
+    def _check_prompt_shape(self, prompt: torch.Tensor) -> None:
+        """ConfigError unless the prompt's [rows, length] fit the plan (batch_size, prompt_len)."""
         rows, n = prompt.shape
         if rows > self.batch:
             raise ConfigError(f"batch_size: the prompt has {rows} sequences but the decoder was planned for "
@@ -472,6 +477,12 @@ class ReferenceDecoder:
         if not 1 <= n <= self.prompt_len:
             raise ConfigError(f"prompt_len: the prompt has {n} tokens per sequence; the decoder was planned "
                               f"for 1..{self.prompt_len} (prompt_len)", argument="prompt_len")
+
+    def _prefill(self, prompt: torch.Tensor) -> None:
+        """prefill, the caller's stream not made to wait for it (generate does that once)."""
+        _check_prompt(prompt)
+        self._check_prompt_shape(prompt)
+        rows, n = prompt.shape
         lo, hi = torch.stack(torch.aminmax(prompt)).tolist()  # one synchronisation
         if lo < 0 or hi >= self.spec.vocab_size:
             raise ConfigError(f"prompt: token ids must be in 0..{self.spec.vocab_size - 1}; got {lo}..{hi}",
@@ -558,12 +569,13 @@ class ReferenceDecoder:
         return_logits = _flag(return_logits, "return_logits")
         timing = _flag(timing, "timing")
         _check_prompt(prompt)
+        self._check_prompt_shape(prompt)  # before the logits are allocated for n steps
         on_gpu = self._stream is not None
         rows = prompt.shape[0]
         if rows:
             # The prefill takes the prompt's tokens, each step one more: all must fit the KV cache
             # (ctx.max_token_length), checked before anything is queued.
-            # (A prompt longer than planned is the prefill's ConfigError, prompt_len.)
+            # (A prompt longer than planned is a ConfigError above, prompt_len.)
             length, limit = int(prompt.shape[1]), int(self.ctx.max_token_length)
             if 1 <= length <= min(limit, self.prompt_len) and length + n - 1 > limit:
                 raise TokenLimitError(

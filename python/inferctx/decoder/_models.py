@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, _brief
+from .._plan_args import INT64_MAX
 from ._spec import ModelSpec, _index
 
 __all__ = ["build_hf_model", "Weights", "LayerWeights", "hf_reference_logits", "TORCH_DTYPES"]
@@ -35,6 +36,11 @@ def build_hf_model(spec: ModelSpec, seed: int = 0) -> Any:
     n = _index(seed)
     if n is None or not 0 <= n < 1 << 64:
         raise ConfigError(f"seed: got {_brief(seed)}; it must be an integer in [0, 2**64)", argument="seed")
+    weights = spec.num_params * 4  # float32
+    if weights > INT64_MAX:
+        raise ConfigError(f"spec: the model has {spec.num_params:,} parameters: in float32 its weights need more "
+                          f"than 2**63 bytes; give smaller num_layers, hidden, vocab_size or intermediate",
+                          argument="spec")
     transformers: Any = importlib.import_module("transformers")
     config = spec.hf_config()
     cls: Any = transformers.GPT2LMHeadModel if spec.arch == "gpt2" else transformers.LlamaForCausalLM
@@ -96,6 +102,11 @@ class Weights:
     @classmethod
     def from_hf(cls, model: Any, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Weights:
         sd: dict[str, torch.Tensor] = {k: v.detach() for k, v in model.state_dict().items()}
+        meta = next((k for k, v in sd.items() if v.device.type == "meta"), None)
+        if meta is not None:
+            raise ConfigError(f"model: a {type(model).__name__} whose weights are on the meta device (such as "
+                              f"{meta!r}), which holds no values; it must hold its weights on the CPU or a GPU "
+                              f"(load or initialise them first)", argument="model")
         # The causal-LM classes' names of the weights; the bare ones (GPT2Model, LlamaModel) lack
         # the prefix and the LM head.
         first = "transformer.wte.weight" if spec.arch == "gpt2" else "model.embed_tokens.weight"

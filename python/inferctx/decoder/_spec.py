@@ -222,8 +222,13 @@ def model_spec(name: str, **overrides: Any) -> ModelSpec:
     if base.arch == "gpt2":
         if "num_heads" in given and "num_kv_heads" not in given:
             fields["num_kv_heads"] = given["num_heads"]
-        if "hidden" in given and "intermediate" not in given:
-            fields["intermediate"] = 4 * given["hidden"]
+        hidden = _index(given.get("hidden"))
+        if hidden is not None and "intermediate" not in given:  # a hidden that is no integer: its own error
+            if 4 * hidden > INT64_MAX and hidden <= INT64_MAX:
+                raise ConfigError(f"hidden: got {_brief(hidden)}; 4 x hidden (GPT-2's MLP size where intermediate "
+                                  f"is not given) must be below 2**63: give a smaller hidden, or intermediate",
+                                  argument="hidden")
+            fields["intermediate"] = 4 * hidden
     fields.update(given)
     return ModelSpec(**fields)
 
