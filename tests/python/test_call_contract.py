@@ -539,6 +539,9 @@ def test_deviceview_results_under_capture_are_refused_and_the_capture_goes_on(to
         g.replay()
         assert torch.equal(tc, ta @ tb), seed  # small integers: exact
         kept = ty != 0
+        # Not vacuous: about 2 in 5 are kept non-zero values (4 in 5 inputs are non-zero, p = 0.5);
+        # a replay that wrote nothing would leave y and g_out equal and all zero.
+        assert n // 4 < int(kept.sum()) < n // 2, (seed, int(kept.sum()))
         assert torch.equal(ty[kept], tx[kept] * 2), seed  # p = 0.5: kept values doubled
         assert torch.equal(tg, ty), seed  # the same mask applied to the same values
 
@@ -1028,6 +1031,9 @@ def test_plain_torch_dropout_equals_the_general_path_at_the_same_philox_state(to
     assert torch.equal(bits, bits2) and torch.equal(y.view(torch.int16 if dtype != "float32" else torch.int32),
                                                     y2.view(torch.int16 if dtype != "float32" else torch.int32))
     assert bits.dtype == torch.int32 and bits.shape == (-(-5000 // 32),) and y.shape == x.shape
+    # Both paths against the independent NumPy Philox reference at that state, not only each other.
+    keep = ref.dropout_keep(seed, offset, 0.25, 5000)
+    assert np.array_equal(ref.unpack_bits(bits.cpu().numpy().view(np.uint32), 5000), keep)
     # What the compiled path leaves to the general one still gets the general path's answers.
     with pytest.raises(ConfigError) as info:
         inferctx.dropout(x[::2], 0.25)

@@ -279,11 +279,12 @@ def test_gen_workspace_names_the_bad_argument(ctx, argument, value):
 
 @pytest.mark.gpu
 def test_gen_workspace_takes_no_memory_figures(ctx):
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'free_bytes'"):
         plan_small(ctx, free_bytes=1 << 30)
     with pytest.raises(ConfigError) as info:
         ctx.gen_workspace("no-such-model", **REQUEST)
-    assert info.value.argument
+    # the keyword that named the model, as plan_workspace names it
+    assert info.value.argument == "shape" and "unknown model preset 'no-such-model'" in str(info.value)
 
 
 # -- regions and the KV cache -------------------------------------------------------------------
