@@ -17,10 +17,25 @@ INT64_MAX = (1 << 63) - 1
 DEVICE_LIMIT = 1 << 31
 
 
+def _is_flag(value: object) -> bool:
+    """A bool, or an array or tensor of booleans: torch.tensor(True) indexes as 1, but a flag is
+    not a count."""
+    if isinstance(value, bool):
+        return True
+    try:
+        dtype = getattr(value, "dtype", None)
+    except Exception:  # noqa: BLE001 - a broken attribute is no dtype
+        return False
+    return dtype is not None and str(dtype) in ("bool", "torch.bool")
+
+
 def _index(value: object, argument: str) -> int:
     """An integer argument, of any size (bool and floats refused: True is not a count)."""
     if isinstance(value, bool) or value is None:
         raise ConfigError(f"{argument}: got {value!r}; it must be an integer", argument=argument)
+    if _is_flag(value):
+        raise ConfigError(f"{argument}: got {_brief(value)} ({type(value).__name__}), a boolean; it must be an "
+                          f"integer", argument=argument)
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
@@ -83,7 +98,7 @@ def human_bytes(n: int) -> str:
     Counts outside int64, which the C++ formatter cannot take, are formatted here in the same
     way (TiB, two decimals); beyond 2**1024 in magnitude they raise ConfigError.
     """
-    if isinstance(n, bool) or not hasattr(type(n), "__index__"):
+    if _is_flag(n) or not hasattr(type(n), "__index__"):
         raise TypeError(f"human_bytes: n must be an integer byte count, got {_brief(n)} ({type(n).__name__})")
     count = operator.index(n)
     if INT64_MIN <= count <= INT64_MAX:

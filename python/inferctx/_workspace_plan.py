@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, overload
 from . import _plan, dtypes
 from ._model_shape import ModelShape
 from ._plan_args import POLICIES, human_bytes
+from .errors import _brief
 
 
 class Region(NamedTuple):
@@ -45,7 +46,7 @@ class Regions(Sequence[Region]):
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
-            raise IndexError(f"region index {index} out of range for {self._len} regions")
+            raise IndexError(f"region index {_brief(operator.index(index))} out of range for {self._len} regions")
         return Region(*_plan._region(self._result, self._num_layers, i))
 
     def __iter__(self) -> Iterator[Region]:

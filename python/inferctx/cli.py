@@ -60,17 +60,58 @@ class _Parser(argparse.ArgumentParser):
         self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message: str) -> NoReturn:  # one line, exit code 2, no usage dump
-        raise _UsageError(_clip_words(message))
+        ambiguous = re.fullmatch(r"ambiguous option: (.*) could match (.*)", message, re.DOTALL)
+        if ambiguous:  # the option as typed, with any value after its "="
+            message = f"ambiguous option: {_as_typed(ambiguous.group(1))} could match {ambiguous.group(2)}"
+        raise _UsageError(_one_line(message))
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # argparse's own check, with the value clipped: a long value with spaces in it is no one
+        # long word that _clip_words would clip
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(repr, action.choices))
+            raise argparse.ArgumentError(action, f"invalid choice: {_brief(value)} (choose from {choices})")
 
     def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
         # argparse drops a failed write (--help, --version into a full disk) and exits 0; on
         # stdout it is raised here, and main reports it as it does the commands' own output.
+        if file is None and sys.stdout is None and message:
+            # Meant for a standard output that was closed at start (`inferctx --version >&-`):
+            # argparse would print it on stderr and exit 0; it is a failed write, as for a command.
+            raise OSError(errno.EBADF, "standard output is closed")
         to_stdout = file is not None and file is sys.stdout
         if not to_stdout:
             super()._print_message(message, file)
         elif message:
             sys.stdout.write(message)
             sys.stdout.flush()
+
+
+def _as_typed(arg: str) -> str:
+    """An argument in a message: as typed where it is one short printable word, else quoted and
+    clipped (a newline in it, or thousands of characters, would not be one line)."""
+    return arg if arg.isprintable() and arg.split() == [arg] and len(arg) <= 60 else _brief(arg)
+
+
+# Unrecognized arguments shown in an error, at most.
+_MOST_UNRECOGNIZED = 5
+
+
+def _unrecognized(extra: Sequence[str]) -> str:
+    """Arguments no flag took, on one line: the first few of many."""
+    more = f" ... ({len(extra):,} in all)" if len(extra) > _MOST_UNRECOGNIZED else ""
+    return f"unrecognized arguments: {' '.join(map(_as_typed, extra[:_MOST_UNRECOGNIZED]))}{more}"
+
+
+# Past this many characters, an argparse message (which echoes what was typed) is clipped.
+_MOST_MESSAGE = 400
+
+
+def _one_line(message: str) -> str:
+    """An argparse message on one line and of bounded length: characters that are not printable
+    (a newline) escaped, long words clipped, and a long message clipped."""
+    text = _clip_words("".join(c if c.isprintable() else repr(c)[1:-1] for c in message))
+    return text if len(text) <= _MOST_MESSAGE else f"{text[:_MOST_MESSAGE]}... ({len(text):,} characters)"
 
 
 def _clip_words(message: str, limit: int = 60) -> str:
@@ -298,7 +339,8 @@ def _memory(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             raise _UsageError(f"--free-gb: got {_brief(args.free_gb)}{under} and --total-gb, not given, defaults "
                               f"to it; give --total-gb too (a positive number of GiB)")
         if free > total:
-            raise _UsageError(f"--free-gb: got {args.free_gb}; it must be at most --total-gb {args.total_gb}")
+            raise _UsageError(f"--free-gb: got {_brief(args.free_gb)}; it must be at most --total-gb "
+                              f"{_brief(args.total_gb)}")
         return {"free_bytes": free, "total_bytes": total}, f"{human_bytes(free)} free"
     device = _int(args.device, "--device", minimum=0)
     return {"device": device}, "device " + ("current" if device is None else str(device))
@@ -630,7 +672,9 @@ _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, e
 
 
 def _command(parser: argparse.ArgumentParser, argv: Sequence[str] | None, shape_names: set[str]) -> int:
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        raise _UsageError(_unrecognized(extra))
     if args.command is None:
         parser.print_usage(sys.stderr)
         print("inferctx: error: give a command: plan, presets or demo (inferctx plan --help for its flags)",

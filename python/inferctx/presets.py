@@ -6,6 +6,7 @@ import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._plan_args import _is_flag
 from .errors import ConfigError, _brief
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class GpuPreset:
                 raise ConfigError(f"{field}: got {_brief(value)} ({type(value).__name__}); it must be a string",
                                   argument=field)
         mib: object = self.total_mib
-        if isinstance(mib, bool) or not hasattr(type(mib), "__index__"):
+        if _is_flag(mib) or not hasattr(type(mib), "__index__"):
             raise ConfigError(f"total_mib: got {_brief(mib)} ({type(mib).__name__}); it must be a whole number "
                               f"of MiB", argument="total_mib")
         total = operator.index(mib)  # type: ignore[arg-type]

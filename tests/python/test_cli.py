@@ -818,3 +818,52 @@ def test_long_whole_numbers_are_judged_by_their_value(capsys):
     code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "0" * 5000 + "4",
                        "--json")
     assert code == 0 and json.loads(out)["request"]["batch_size"] == 4
+
+
+def test_free_above_total_echoes_both_values_clipped_on_one_line(capsys):
+    # The figures are shown as typed, quoted and clipped: a newline float() skips, or thousands of
+    # leading zeros, must not spread the message over lines or screens.
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "81\n", "--total-gb", "\n80\n")
+    assert code == 2 and out == ""
+    assert err == "inferctx: error: --free-gb: got '81\\n'; it must be at most --total-gb '\\n80\\n'\n", err
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "0" * 5000 + "81",
+                         "--total-gb", "80")
+    assert code == 2 and out == "" and err.count("\n") == 1 and len(err) < 250
+    assert "--free-gb: got '000" in err and "(5,002 characters); it must be at most --total-gb '80'" in err
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["plan", "--help"], ["--help"]])
+def test_help_and_version_into_a_closed_stdout_are_one_line_exit_2(argv):
+    # `inferctx --version >&-`: the output is lost, as a command's is; argparse would have put it
+    # on stderr and exited 0.
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-m", "inferctx", *argv], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, env=env, timeout=120, preexec_fn=lambda: os.close(1))
+    assert done.returncode == 2 and done.stderr == (
+        "inferctx: could not write the output: standard output is closed\n"), (argv, done.stderr)
+
+
+@pytest.mark.parametrize("argv,message", [
+    # argparse echoes these as typed: a newline split the line, spaces kept _clip_words from clipping
+    (["x\ny"], "error: unrecognized arguments: 'x\\ny'"),
+    (["a b " * 20_000], "error: unrecognized arguments: '" + "a b " * 15 + "'... (80,000 characters)"),
+    (["a", "b", "c", "d", "e", "f", "g"], "error: unrecognized arguments: a b c d e ... (7 in all)"),
+    (["--weights", "a b " * 20_000], "error: argument --weights: invalid choice: '" + "a b " * 15
+     + "'... (80,000 characters) (choose from 'auto', 'none')"),
+    (["--weights", "x\ny"], "error: argument --weights: invalid choice: 'x\\ny' (choose from 'auto', 'none')"),
+    (["--max=1\n2"], "error: ambiguous option: '--max=1\\n2' could match --max-tokens, --max-batch"),
+    (["--max=" + "a b " * 20_000], "error: ambiguous option: '--max=" + "a b " * 13 + "a '... (80,006 characters) "
+                                   "could match --max-tokens, --max-batch"),
+    (["--json=1\n2"], "error: argument --json: ignored explicit argument '1\\n2'"),
+])
+def test_arguments_argparse_echoes_are_one_short_line(capsys, argv, message):
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", *argv)
+    assert code == 2 and out == "" and err == f"inferctx: {message}\n", err
+
+
+def test_a_long_explicit_argument_to_a_switch_is_clipped(capsys):
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--json=" + "a b " * 20_000)
+    assert code == 2 and out == "" and err.count("\n") == 1 and len(err) < 500
+    assert err.startswith("inferctx: error: argument --json: ignored explicit argument 'a b a b")

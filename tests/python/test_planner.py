@@ -845,3 +845,39 @@ def test_a_workspace_plan_is_not_made_directly():
     import copy
 
     assert copy.deepcopy(p) == p and str(copy.copy(p)) == str(p)
+
+
+def test_a_region_index_past_pythons_digit_limit_is_an_index_error():
+    # An index out of range is an IndexError, as for any sequence, even one too long to print
+    # (str() of a 5001-digit integer raises ValueError).
+    regions = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=8, gpu="h200").regions
+    for index in (10**5000, -(10**5000)):
+        with pytest.raises(IndexError) as info:
+            regions[index]
+        assert str(info.value) == "region index an integer of 16610 bits out of range for 66 regions"
+    import numpy as np
+
+    with pytest.raises(IndexError) as info:
+        regions[np.int64(66)]
+    assert str(info.value) == "region index 66 out of range for 66 regions"
+
+
+def test_a_boolean_tensor_is_not_a_count():
+    # torch.tensor(True) indexes as 1, as True does; a flag is not a count, whatever holds it.
+    torch = pytest.importorskip("torch")
+    kw = dict(batch_size=1, prompt_len=1, max_out_tokens=8, gpu="h200")
+    for argument, value in (("batch_size", torch.tensor(True)), ("max_out_tokens", torch.tensor([True])),
+                            ("weights_bytes", torch.tensor(False)), ("mp_size", torch.tensor(True))):
+        with pytest.raises(ConfigError) as info:
+            plan_workspace("llama-2-7b", **{**kw, argument: value})
+        assert info.value.argument == argument
+        message = str(info.value)
+        assert message.startswith(f"{argument}: got tensor(") and "a boolean; it must be an integer" in message
+    with pytest.raises(ConfigError) as info:
+        ModelShape(torch.tensor(True), 32, 4096)
+    assert info.value.argument == "num_layers"
+    with pytest.raises(TypeError):
+        inferctx.planning.human_bytes(torch.tensor(True))
+    # integer tensors are counts, as before
+    assert plan_workspace("llama-2-7b", **{**kw, "batch_size": torch.tensor(3)}).batch_size == 3
+    assert inferctx.planning.human_bytes(torch.tensor(1536)) == "1.50 KiB"

@@ -265,3 +265,13 @@ def test_a_custom_gpu_preset_plans_like_a_built_in_one():
     # 1245 MiB: 1 MiB free, far below the weights: the planner's own reason, not an argument error
     with pytest.raises(inferctx.WorkspaceOOMError):
         inferctx.plan_workspace("llama-2-7b", gpu=GpuPreset("mine", "x", 1245), **kw)
+
+
+def test_a_boolean_tensor_is_not_a_gpu_presets_mib():
+    torch = pytest.importorskip("torch")
+    from inferctx.presets import GpuPreset
+
+    with pytest.raises(ConfigError) as info:
+        GpuPreset("mine", "x", torch.tensor(True))
+    assert info.value.argument == "total_mib" and "it must be a whole number of MiB" in str(info.value)
+    assert GpuPreset("mine", "x", torch.tensor(2000)).total_mib == 2000
