@@ -462,7 +462,14 @@ def test_exact_plans_are_sound_and_maximal(shape, batch, max_out, dtype, free, f
               external_cache=external, free_bytes=free, total_bytes=4 * GIB, memory_fraction=fraction)
     try:
         p = plan_workspace(shape, **kw)
-    except WorkspaceOOMError:
+    except WorkspaceOOMError as e:
+        # Refused only where that is so: the fewest tokens the request needs do not fit its budget.
+        from inferctx import _core
+
+        fields = _request_fields(shape, **kw)
+        need = max(fields["min_out_tokens"], fields["prompt_len"])
+        assert e.requested_bytes == _core._workspace_bytes_for(fields, need) > e.budget_bytes, (
+            e.requested_bytes, e.budget_bytes)
         return
     spans = sorted((r.offset, r.offset + r.size) for r in p.regions)
     for start, end in spans:

@@ -114,7 +114,10 @@ def test_parameter_count_by_hand(name):
     derived = DERIVE[name](m)
     # Derived from the config figures; the checkpoints of GPT-J count 0.04% more than its
     # tensors' formula gives (6,053,381,344 on the card), every other preset matches exactly.
-    assert abs(derived - m.num_params) <= 0.0005 * m.num_params, (derived, m.num_params)
+    if name == "gpt-j-6b":
+        assert abs(derived - m.num_params) <= 0.0005 * m.num_params, (derived, m.num_params)
+    else:
+        assert derived == m.num_params, (derived, m.num_params)
     published = PUBLISHED_PARAMS[name]
     assert abs(m.num_params - published) <= PUBLISHED_TOLERANCE * published, (m.num_params, published)
 
