@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from _host_timing import host_us_interleaved  # bench/, the script's folder
+from _host_timing import host_us_interleaved, ratio_spread  # bench/, the script's folder
 
 import inferctx  # noqa: F401  (loads cuBLAS first)
 from inferctx import _core
@@ -246,7 +246,7 @@ def main(argv=None):
     l2_bytes = getattr(props, "L2_cache_size", 60 << 20) or (60 << 20)
     stream = torch.cuda.Stream(device)
     timer = Timer(reps=7 if args.quick else 15)
-    results, host = [], {}
+    results, host, spread = [], {}, {}
     with torch.cuda.stream(stream):
         ctx = _core.InferenceContext.instance(device)
         G.clear_gemm_cache()
@@ -316,17 +316,20 @@ def main(argv=None):
                 fns["new_empty"] = lambda: a.new_empty(m, n)
                 if EMPTY_STRIDED is not None:
                     fns["_empty_strided_cuda"] = lambda: EMPTY_STRIDED((m, n), (n, 1), a.dtype)
-            host[shape] = host_us_interleaved(torch, fns, calls=100, reps=21, slack_us=60.0)
+            rounds = {}
+            host[shape] = host_us_interleaved(torch, fns, calls=100, reps=21, slack_us=60.0, rounds=rounds)
+            spread[shape] = ratio_spread(rounds["inferctx.gemm"], rounds["torch.matmul"])
         # Whether the plain call takes the compiled torch path (it returns NotImplemented otherwise).
         fast_path = _core._torch_gemm(2, a, b, None, False, False, 1.0, 0.0, None, False) is not NotImplemented
 
-    mismatches = report(results, host, props, args, fast_path)
+    mismatches = report(results, host, spread, props, args, fast_path)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"),
                        "gpu": props.name, "torch": torch.__version__,
                        "cuda": torch.version.cuda, "command": " ".join(sys.argv),
-                       "cases": results, "host_us_per_call": host}, f, indent=1)
+                       "cases": results, "host_us_per_call": host,
+                       "plain_host_ratio_quartiles": spread}, f, indent=1)
     return 1 if mismatches else 0  # a wrong result makes every figure beside it moot
 
 
@@ -335,10 +338,10 @@ EMPTY_STRIDED = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", No
                         "_empty_strided_cuda", None)
 
 
-def report(results, host, props, args, fast_path):
+def report(results, host, spread, props, args, fast_path):
     tuned = not args.no_tune
     if args.host_only:
-        report_host(host, fast_path)
+        report_host(host, spread, fast_path)
         return 0
     print()
     print(f"GEMM, inferctx vs torch.matmul (out=), {props.name}, torch {torch.__version__}; "
@@ -385,11 +388,11 @@ def report(results, host, props, args, fast_path):
         geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
         print(f"tuned/torch: geometric mean {geomean:.3f} (target <= 0.99), worst {max(ratios):.3f}: "
               f"{verdict(geomean <= 0.99)}")
-    report_host(host, fast_path)
+    report_host(host, spread, fast_path)
     return mismatches
 
 
-def report_host(host, fast_path):
+def report_host(host, spread, fast_path):
     print(f"host time per call, bf16 (torch fast path {'on' if fast_path else 'OFF'}):")
     for shape, h in host.items():
         plain, plain_t = h["inferctx.gemm"], h["torch.matmul"]
@@ -397,6 +400,10 @@ def report_host(host, fast_path):
         print(f"  {shape:14s} gemm(a, b) {plain:6.2f} us vs torch.matmul {plain_t:6.2f} us "
               f"({plain / plain_t:.2f}x, target <= 1.0: {'PASS' if plain <= plain_t else 'MISS'}); "
               f"out=: {o:6.2f} vs {t:6.2f} us ({o / t:.2f}x)")
+        low, mid, high = spread[shape]
+        tie = " (a tie: the rounds fall on both sides of 1.0)" if low <= 1.0 <= high else ""
+        print(f"  {'':14s} gemm(a, b) / torch.matmul round by round: quartiles {low:.3f} / {mid:.3f} / "
+              f"{high:.3f}{tie}")
         if "new_empty" in h:
             fast = h.get("_empty_strided_cuda")
             print(f"  {'':14s} the result alone: new_empty {h['new_empty']:6.2f} us"
