@@ -32,6 +32,7 @@ _CORE = "inferctx._core"
 _CONTEXT = "inferctx.context"
 _done = False
 _lock = threading.Lock()
+_unloadable: list[str] = []  # why each pair of libraries found but not loadable was passed over
 
 
 def preload() -> None:
@@ -44,8 +45,12 @@ def preload() -> None:
         for directory in _candidate_dirs():
             paths = [os.path.join(directory, name) for name in _LIBS]
             if all(os.path.exists(p) for p in paths):
-                for p in paths:
-                    ctypes.CDLL(p)  # RTLD_LOCAL: its symbols must not interpose on others
+                try:
+                    for p in paths:
+                        ctypes.CDLL(p)  # RTLD_LOCAL: its symbols must not interpose on others
+                except OSError as exc:  # a truncated file, another architecture, a folder: try the next
+                    _unloadable.append(str(exc))
+                    continue
                 return
         # Otherwise the RPATH or the system's loader path must provide them; the import of
         # the extension then says which library is missing.
@@ -55,6 +60,10 @@ def _candidate_dirs() -> Iterator[str]:
     here = os.path.dirname(os.path.abspath(__file__))
     yield os.path.join(here, "..", "nvidia", "cu13", "lib")
     for entry in sys.path:
+        try:
+            entry = os.fsdecode(entry)  # sys.path may hold bytes or path objects too
+        except TypeError:
+            continue  # nor is anything else an import location
         if entry:
             yield os.path.join(entry, "nvidia", "cu13", "lib")
 
@@ -89,11 +98,15 @@ class _ThenContext:
         except ImportError as exc:
             if not any(name.split(".so")[0] in str(exc) for name in _LIBS):
                 raise
+            from .errors import CudaLibraryError
+
             # The loader's message names the file; say where it comes from.
-            raise ImportError(f"{exc}: inferctx's GPU module needs cuBLAS 13, which the nvidia-cublas "
-                              f"wheel provides: pip install 'nvidia-cublas>=13,<14' (it is a dependency of "
-                              f"inferctx; an install with --no-deps leaves it out)",
-                              name=exc.name, path=exc.path) from exc
+            passed_over = "".join(f"; passed over {why}" for why in _unloadable)
+            raise CudaLibraryError(f"{exc}{passed_over}: inferctx's GPU module needs cuBLAS 13, which the "
+                                   f"nvidia-cublas wheel provides: pip install 'nvidia-cublas>=13,<14' (it is "
+                                   f"a dependency of inferctx; an install with --no-deps leaves it out). "
+                                   f"Planning (plan_workspace, `inferctx plan --gpu ...` or --free-gb ...) "
+                                   f"works without it.", name=exc.name, path=exc.path) from exc
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)

@@ -14,6 +14,7 @@ __all__ = [
     "CudaError",
     "CublasError",
     "NoCudaDeviceError",
+    "CudaLibraryError",
 ]
 
 
@@ -145,3 +146,12 @@ class CublasError(CudaError):
 
 class NoCudaDeviceError(CudaError):
     """No usable CUDA device (none present or no driver); planning works without one."""
+
+
+class CudaLibraryError(InferCtxError, ImportError):
+    """The GPU module cannot load a CUDA library it needs (cuBLAS); the message names the wheel
+    that provides it. Planning works without it."""
+
+    _fields = ("name", "path")
+    name: str | None
+    path: str | None

@@ -143,3 +143,12 @@ def test_pickle_keeps_notes_and_attributes(cls, fields, bases):
     # one without either pickles as before: nothing beyond its fields
     plain = pickle.loads(pickle.dumps(cls("what is wrong", **fields)))
     assert not hasattr(plain, "__notes__") and set(vars(plain)) == set(cls._fields)
+
+
+def test_cuda_library_error_is_an_import_error_that_pickles():
+    e = errors.CudaLibraryError("libcublas.so.13: cannot open shared object file", name="inferctx._core",
+                                path="/site/inferctx/_core.so")
+    assert isinstance(e, ImportError) and isinstance(e, errors.InferCtxError)
+    clone = pickle.loads(pickle.dumps(e))
+    assert type(clone) is errors.CudaLibraryError and str(clone) == str(e)
+    assert (clone.name, clone.path) == ("inferctx._core", "/site/inferctx/_core.so")

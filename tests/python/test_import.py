@@ -159,3 +159,66 @@ def test_the_decoder_without_torch_says_which_extra_to_install(monkeypatch):
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'inferctx\[demo\]'") as info:
         decoder.ReferenceDecoder  # noqa: B018
     assert info.value.name == "torch"
+
+
+def test_an_unloadable_cublas_is_passed_over_and_named(tmp_path, monkeypatch):
+    # A truncated library or a folder under a library's name, earlier in the search, is no reason
+    # to fail: the search goes on, and the error of a GPU module that cannot load names what it skipped.
+    import pytest
+
+    from inferctx import _libs, errors
+
+    broken, folder = tmp_path / "broken", tmp_path / "folder"
+    for name in _libs._LIBS:
+        broken.mkdir(exist_ok=True)
+        (broken / name).write_bytes(b"")
+        (folder / name).mkdir(parents=True)
+    monkeypatch.setattr(_libs, "_done", False)
+    monkeypatch.setattr(_libs, "_unloadable", [])
+    monkeypatch.setattr(_libs, "_candidate_dirs", lambda: iter([str(broken), str(folder)]))
+    _libs.preload()
+    assert [why.startswith(str(d / _libs._LIBS[0])) for d, why in zip((broken, folder), _libs._unloadable)] == [
+        True, True]
+
+    class Loader:
+        def create_module(self, spec):
+            raise ImportError("libcublas.so.13: cannot open shared object file: No such file or directory")
+
+    with pytest.raises(errors.CudaLibraryError) as info:
+        _libs._ThenContext(Loader()).create_module(None)
+    assert isinstance(info.value, ImportError) and isinstance(info.value, errors.InferCtxError)
+    assert f"passed over {broken / _libs._LIBS[0]}" in str(info.value)
+    assert "pip install 'nvidia-cublas>=13,<14'" in str(info.value) and "Planning" in str(info.value)
+
+
+def test_the_library_search_takes_sys_path_entries_of_any_type(monkeypatch):
+    from pathlib import Path
+
+    from inferctx import _libs
+
+    monkeypatch.setattr(sys, "path", [b"/from/bytes", 5, None, Path("/from/path"), "", "/from/str"])
+    dirs = list(_libs._candidate_dirs())[1:]  # after the folder beside the package
+    assert dirs == [f"/from/{kind}/nvidia/cu13/lib" for kind in ("bytes", "path", "str")]
+
+
+def test_the_cli_without_cublas_prints_one_line_and_exits_2():
+    # The extension's loader fails as the dynamic loader does where the nvidia-cublas wheel is missing.
+    code = """
+import sys
+from importlib.machinery import ExtensionFileLoader
+real = ExtensionFileLoader.create_module
+def create_module(self, spec):
+    if spec.name != 'inferctx._core':
+        return real(self, spec)
+    raise ImportError('libcublas.so.13: cannot open shared object file: No such file or directory', name=spec.name)
+ExtensionFileLoader.create_module = create_module
+import inferctx.cli
+code = inferctx.cli.main(['plan', '--preset', 'llama-2-7b'])
+print('planned', inferctx.cli.main(['plan', '--preset', 'llama-2-7b', '--gpu', 'h200']), file=sys.stderr)
+sys.exit(code)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 2, done.stderr
+    assert lines[0].startswith("inferctx: CudaLibraryError: libcublas.so.13: cannot open shared object file")
+    assert "pip install 'nvidia-cublas>=13,<14'" in lines[0] and lines[1] == "planned 0"
