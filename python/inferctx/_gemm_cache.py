@@ -62,9 +62,10 @@ def _cache_path(path: Any) -> str:
     if os.path.basename(name) in ("", ".", ".."):
         raise ConfigError(f"path: got {_brief(name)}, which names a folder, not a file; give a file "
                           f"name (as 'gemm.json' or 'folder/gemm.json')", argument="path")
-    if not os.path.exists(name) and os.path.exists(os.path.realpath(name)):
+    resolved = None if os.path.exists(name) else os.path.realpath(name)
+    if resolved is not None and os.path.exists(resolved):
         raise ConfigError(f"path: got {_brief(name)}, which names no file the system can open, yet resolves to "
-                          f"the existing {os.path.realpath(name)}; give that file's own name", argument="path")
+                          f"the existing {resolved}; give that file's own name", argument="path")
     return name
 
 

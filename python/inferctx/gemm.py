@@ -64,7 +64,7 @@ from typing import Any, Dict, Iterator, List
 
 from . import _core
 from ._gemm_cache import (_BACKENDS, _FORMAT, _VERSION, _cache_path, _entry_from_json, _entry_to_json,
-                          _not_regular, _read_cache_file)
+                          _not_regular, _read_cache_file, _refuse_kind)
 from ._gemm_tune import _Progress, _problem_key, _tune_shapes
 from .dtypes import BFLOAT16, FLOAT16, FLOAT32, ITEMSIZE, NAMES, dtype_code
 from .errors import ConfigError, _brief
@@ -173,7 +173,7 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
             cache_file = _cache_path(cache_file)
             if os.path.exists(cache_file):
                 file_entries = _file_entries(cache_file)
-                _check_entries(cache_file, file_entries)
+                _cache_keys(cache_file, file_entries)
     if ctx is None:
         ctx = _context_of_current_device()
     device = _context_device(ctx)
@@ -298,8 +298,7 @@ def _save_entries(path: str, target: str, exported: list, entries: list, merge: 
     except OSError:  # none yet (a new file), or a folder the write below names
         kind = ""
     if kind:
-        raise ConfigError(f"path: {path} is {kind}, not a regular file; save_gemm_cache writes and replaces "
-                          f"regular files only: give a file name", argument="path")
+        _refuse_kind(path, kind, "save_gemm_cache writes and replaces regular files only: give a file name")
     if merge and os.path.exists(path):
         kept = _read_cache_file(path)
         hint = "; merge=True keeps the file's entries: mend or remove the file, or pass merge=False to replace it"
@@ -307,10 +306,7 @@ def _save_entries(path: str, target: str, exported: list, entries: list, merge: 
             converted = [_entry_from_json(e, path, i) for i, e in enumerate(kept)]
         except ConfigError as exc:
             raise ConfigError(f"{exc}{hint}", argument="path") from None
-        try:
-            keys = _core._gemm_cache_keys(converted)
-        except ConfigError as exc:
-            raise ConfigError(f"path: {path} has an invalid {exc}{hint}", argument="path") from None
+        keys = _cache_keys(path, converted, hint)
         # One entry per cache key, this process's: a file entry that the cache would key as one
         # of them (booleans left out, tf32 on a 16-bit type) would replace it when loaded.
         mine = set(_core._gemm_cache_keys(exported))
@@ -368,12 +364,13 @@ def _file_entries(path: str) -> List[Dict[str, Any]]:
     return [_entry_from_json(e, path, i) for i, e in enumerate(_read_cache_file(path))]
 
 
-def _check_entries(path: str, converted: List[Dict[str, Any]]) -> None:
-    """The compiled checks that _import_entries makes, without importing anything."""
+def _cache_keys(path: str, converted: List[Dict[str, Any]], hint: str = "") -> list:
+    """The cache keys of a file's entries, after the compiled checks that _import_entries makes
+    (nothing is imported); ConfigError('path') naming the first invalid entry."""
     try:
-        _core._gemm_cache_keys(converted)
+        return _core._gemm_cache_keys(converted)
     except ConfigError as exc:
-        raise ConfigError(f"path: {path} has an invalid {exc}", argument="path") from None  # "entry i: ..."
+        raise ConfigError(f"path: {path} has an invalid {exc}{hint}", argument="path") from None  # "entry i: ..."
 
 
 def _import_entries(path: str, converted: List[Dict[str, Any]]) -> int:
