@@ -21,8 +21,8 @@ def drop_probability(ap, p):
     kernel, each its own way (torch returns its input at p = 0), so a ratio would time shortcuts."""
     import struct
 
-    p32 = struct.unpack("f", struct.pack("f", p))[0] if abs(p) < 3e38 else p
-    if not (0.0 < p < 1.0) or p32 in (0.0, 1.0):
+    # (pack is reached only for p in (0, 1), which float32 holds; NaN fails the range test)
+    if not 0.0 < p < 1.0 or struct.unpack("f", struct.pack("f", p))[0] in (0.0, 1.0):
         ap.error(f"--p {p}: must be in (0, 1) and not round to 0 or 1 in float32")
 
 

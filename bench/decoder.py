@@ -42,8 +42,10 @@ MIB = 1 << 20
 
 
 def parse_args(argv=None):
+    from inferctx.decoder import ALIASES, PRESETS  # no torch: the names only
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["gpt2-small", "llama-small"])
+    ap.add_argument("--models", nargs="+", default=["gpt2-small", "llama-small"], choices=[*ALIASES, *PRESETS])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -56,14 +58,6 @@ def parse_args(argv=None):
                     help="torch's elementwise sequences instead of the fused kernels (ReferenceDecoder(fused=False))")
     ap.add_argument("--json", help="write the results to this file")
     args = ap.parse_args(argv)
-    from inferctx import ConfigError
-    from inferctx.decoder import model_spec  # no torch: checks the name only
-
-    for name in args.models:
-        try:
-            model_spec(name)
-        except ConfigError as exc:
-            ap.error(f"--models {name}: {str(exc).removeprefix('model: ')}")
     at_least(ap, "--batches", args.batches, 1)
     at_least(ap, "--prompt-len", args.prompt_len, 1)
     at_least(ap, "--new-tokens", args.new_tokens, 2)  # the first token is the prefill's; steps need one more

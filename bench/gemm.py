@@ -41,7 +41,8 @@ import time
 
 import torch
 
-from _host_timing import host_us_interleaved, ratio_spread  # bench/, the script's folder
+from _cli import json_path  # bench/, the script's folder
+from _host_timing import host_us_interleaved, ratio_spread
 
 import inferctx  # noqa: F401  (loads cuBLAS first)
 from inferctx import _core
@@ -237,6 +238,7 @@ def main(argv=None):
     parser.add_argument("--host-only", action="store_true",
                         help="only the host times, with the allocation alone beside them")
     args = parser.parse_args(argv)
+    json_path(parser, args.json)
     if args.host_only:
         args.no_tune = True
 
@@ -381,7 +383,9 @@ def report(results, host, spread, props, args, fast_path):
         print(line)
     worst_default = max(default_ratios)
     # A verdict on times counts only where every result was right.
-    verdict = (lambda met: "PASS" if met else "MISS") if not mismatches else (lambda met: "FAIL (MISMATCH above)")
+    def verdict(met):
+        return "FAIL (MISMATCH above)" if mismatches else ("PASS" if met else "MISS")
+
     print(f"default/torch: worst {worst_default:.3f} (target <= 1.02 on every shape): "
           f"{verdict(worst_default <= 1.02)}")
     if tuned:

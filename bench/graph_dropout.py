@@ -36,6 +36,7 @@ import sys
 import time
 
 from _cli import at_least, drop_probability, json_path  # bench/, the script's folder
+from _host_timing import host_us_interleaved
 
 KIB = 1 << 10
 
@@ -174,26 +175,14 @@ def host_figures(torch, inferctx, ctx, p, loops=20000, reps=15):
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)
     m = torch.empty(32, dtype=torch.int32, device="cuda")
-    khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 0) or 2_000_000
 
     def call():
         inferctx.dropout(x, p, out=y, mask_out=m)
 
-    for _ in range(20):  # warm-up
-        call()
     # Each loop of 500 calls runs behind its own hold of 25 ms of GPU time (50 us a call), so the
     # loop only issues: one hold for all the loops would queue several thousand launches behind it,
     # more than a stream takes before the host blocks, and later loops would run beside an idle GPU.
-    calls, samples = 500, []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(khz * 1e3 * calls * 50e-6))
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            call()
-        samples.append((time.perf_counter_ns() - t0) / calls / 1e3)
-    torch.cuda.synchronize()
-    eager = statistics.median(samples) - empty
+    eager = host_us_interleaved(torch, {"eager": call}, calls=500, reps=reps, slack_us=50.0)["eager"] - empty
     return {"increment_offset_us": inc, "capture_query_us": query, "eager_dropout_call_us": eager}
 
 

@@ -133,7 +133,7 @@ def bench_small(ctx, torch, repeat):
         for _ in range(n):
             sync()
 
-    ours, theirs = None, None
+    loops = {"ours": loop_sync}
     if torch is not None:
         s1, s2, event = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Event()
 
@@ -144,10 +144,9 @@ def bench_small(ctx, torch, repeat):
 
         # In turns: the target is a ratio, and the two loops would otherwise see the host at
         # different moments.
-        both = paired_per_call_us({"ours": loop_sync, "torch": loop_torch_pair}, 2000, repeat)
-        ours, theirs = both["ours"], both["torch"]
-    else:
-        ours = per_call_us(loop_sync, 2000, repeat)
+        loops["torch"] = loop_torch_pair
+    both = paired_per_call_us(loops, 2000, repeat)
+    ours, theirs = both["ours"], both.get("torch")
     rows.append(Row("sync_comp()", ours, theirs, "Event.record + Stream.wait_event",
                     "<= 0.5x torch", 0.5, relative=True))
     ctx.stream.synchronize()
