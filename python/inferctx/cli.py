@@ -19,7 +19,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__, presets
-from .demo import DemoError, add_demo_parser, run_demo
+from .demo import DemoError, _whole_parts, add_demo_parser, run_demo
 from .dtypes import dtype_name
 from .errors import ConfigError, InferCtxError, NoCudaDeviceError, WorkspaceOOMError, _brief
 from .planning import (ModelShape, WorkspacePlan, human_bytes, max_batch_size, max_out_tokens_for,
@@ -178,23 +178,18 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- flag values ---------------------------------------------------------------------------
 
-# A whole number as typed: its sign, and its digits from the first that is not a leading zero.
-_DIGITS = re.compile(r"([+-]?)0*(\d+)")
-
-
 def _int(text: str | None, flag: str, *, minimum: int = 1, default: int | None = None) -> int | None:
     if text is None:
         return default
-    digits = text.strip().replace("_", "")
-    number = _DIGITS.fullmatch(digits)
-    if number is not None and len(number.group(2)) > 40:  # past int64, and past Python's digit limit
-        if number.group(1) == "-":  # far below the minimum, not above 2**63
+    parts = _whole_parts(text)  # leading zeros dropped: they count towards Python's digit limit
+    if parts is None:
+        raise _UsageError(f"{flag}: got {_brief(text)}; it must be a whole number")
+    sign, digits = parts
+    if len(digits) > 40:  # past int64, and past Python's digit limit
+        if sign == "-":  # far below the minimum, not above 2**63
             raise _UsageError(f"{flag}: got {_brief(text)}; it must be >= {minimum}")
         raise _UsageError(f"{flag}: got {_brief(text)}; it must be below 2**63 = {1 << 63:,}")
-    try:  # leading zeros dropped: they count towards Python's digit limit
-        value = int(number.group(1) + number.group(2) if number is not None else digits, 10)
-    except ValueError:
-        raise _UsageError(f"{flag}: got {_brief(text)}; it must be a whole number") from None
+    value = int(sign + digits, 10)
     if value < minimum:
         raise _UsageError(f"{flag}: got {value}; it must be >= {minimum}")
     if value > INT64_MAX:

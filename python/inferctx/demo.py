@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from typing import Any
@@ -36,26 +37,35 @@ class DemoError(Exception):
 
 
 def _flag_terms(message: str) -> str:
-    import re
-
     names = sorted(_FLAGS, key=len, reverse=True)
     return re.sub(r"(?<![\w-])(" + "|".join(names) + r")(?![\w])", lambda m: _FLAGS[m.group(1)], message)
+
+
+# A whole number as typed: its sign, and its digits from the first that is not a leading zero.
+_DIGITS = re.compile(r"([+-]?)0*(\d+)")
+
+
+def _whole_parts(text: str) -> tuple[str, str] | None:
+    """The sign ('', '+' or '-') and the digits, leading zeros dropped, of a whole number as a flag
+    takes it (spaces around it and '_' between digits allowed: what int() reads); None for text
+    that is none. The flags' parsers all read numbers through it."""
+    number = _DIGITS.fullmatch(text.strip().replace("_", ""))
+    return None if number is None else (number.group(1), number.group(2))
 
 
 def _whole(text: str, low: int, high: int, valid: str) -> int:
     """A whole number in [low, high]; ArgumentTypeError saying `valid` otherwise. A number too long
     for int() (over 4300 digits) is described by its size, not taken for a non-number."""
-    digits = text.strip().replace("_", "")
-    sign = digits[:1] if digits[:1] in "+-" else ""
-    if len(digits) - len(sign) > 40 and digits[len(sign):].isdecimal():  # past int64, and maybe past int()'s limit
-        size = f"{len(digits) - len(sign):,}-digit number"
+    parts = _whole_parts(text)
+    if parts is None:
+        raise argparse.ArgumentTypeError(f"got {_brief(text)}; it must be a whole number")
+    sign, digits = parts
+    if len(digits) > 40:  # past int64, and maybe past int()'s limit
+        size = f"{len(digits):,}-digit number"
         if sign == "-":
             raise argparse.ArgumentTypeError(f"got a negative {size}; it must be >= {low}")
         raise argparse.ArgumentTypeError(f"got a {size}; it is too large: {valid}")
-    try:
-        value = int(digits, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {_brief(text)}; it must be a whole number") from None
+    value = int(sign + digits, 10)
     if value < low:
         raise argparse.ArgumentTypeError(f"got {value}; it must be >= {low}")
     if value > high:

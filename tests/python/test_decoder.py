@@ -1267,3 +1267,31 @@ def test_cpu_build_hf_model_refuses_weights_past_2_63_bytes(cpu):
     assert info.value.argument == "spec" and str(info.value) == (
         f"spec: the model has {spec.num_params:,} parameters: in float32 its weights need more than 2**63 "
         f"bytes; give smaller num_layers, hidden, vocab_size or intermediate")
+
+
+def test_demo_reads_padded_numbers_as_the_plan_command_does(capsys):
+    # The demo's number flags dropped no leading zeros: 45 zeros and a 7 were "a 46-digit number;
+    # it is too large", where `inferctx plan --batch` takes 7. Both read numbers one way now.
+    from inferctx import demo
+
+    padded = "0" * 45 + "7"
+    assert demo._positive(padded) == 7 and demo._positive(f" +{padded} ") == 7
+    assert demo._device("0" * 5000 + "1") == 1
+    code, out, err = run(capsys, "demo", "--batch", "-" + padded)
+    assert code == 2 and out == "" and "--batch" in err and "got -7; it must be >= 1" in err, err
+
+
+def test_decoder_counts_refuse_a_boolean_tensor(cpu):
+    # A bool tensor has __index__ (True is 1): the planner refused it, the decoder's own check took
+    # it as a count of 1. One rule for flags now.
+    from inferctx import ConfigError
+    from inferctx.decoder import CpuContext, model_spec
+
+    torch = cpu
+    for field in ("num_layers", "num_heads", "hidden"):
+        with pytest.raises(ConfigError) as info:
+            model_spec("gpt2-tiny", **{field: torch.tensor(True)})
+        assert info.value.argument == field and "it must be a positive integer" in str(info.value), str(info.value)
+    with pytest.raises(ConfigError) as info:
+        CpuContext(free_bytes=torch.tensor(True))
+    assert info.value.argument == "free_bytes"

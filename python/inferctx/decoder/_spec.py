@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._plan import _as_bool
-from .._plan_args import INT64_MAX
+from .._plan_args import INT64_MAX, _is_flag
 from ..dtypes import dtype_name as _dtype_name
 from ..errors import ConfigError, _brief
 from ..planning import ModelShape
@@ -29,8 +29,7 @@ def _index(value: object) -> int | None:
     """`value` as a Python int where it is an integer (an int, a NumPy integer: anything with
     __index__), None where it is not (a float, a string, None, a bool or numpy.bool_: a flag is
     not a count)."""
-    if isinstance(value, bool) or value is None or type(value).__module__ == "numpy" and \
-            type(value).__name__ in ("bool", "bool_"):
+    if value is None or _is_flag(value):  # bools of every kind: Python's, NumPy's, a bool tensor
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]
