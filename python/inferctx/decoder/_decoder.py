@@ -456,6 +456,7 @@ class ReferenceDecoder:
         batch_size are padded with the first row (their results are dropped). The work runs on the
         decoder's own stream after the work queued so far on the caller's current stream, and the
         caller's stream waits for it: ``logits`` and ``out_ids`` read there need no synchronize."""
+        self._check_prompt_fits(prompt)
         self._prefill(prompt)
         self._join_caller()
 
@@ -464,8 +465,10 @@ class ReferenceDecoder:
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
-    def _check_prompt_shape(self, prompt: torch.Tensor) -> None:
-        """ConfigError unless the prompt's [rows, length] fit the plan (batch_size, prompt_len)."""
+    def _check_prompt_fits(self, prompt: Any) -> None:
+        """ConfigError unless `prompt` is a prompt (_check_prompt) whose [rows, length] fit the plan
+        (batch_size, prompt_len)."""
+        _check_prompt(prompt)
         rows, n = prompt.shape
         if rows > self.batch:
             raise ConfigError(f"batch_size: the prompt has {rows} sequences but the decoder was planned for "
@@ -479,9 +482,8 @@ class ReferenceDecoder:
                               f"for 1..{self.prompt_len} (prompt_len)", argument="prompt_len")
 
     def _prefill(self, prompt: torch.Tensor) -> None:
-        """prefill, the caller's stream not made to wait for it (generate does that once)."""
-        _check_prompt(prompt)
-        self._check_prompt_shape(prompt)
+        """prefill of a prompt _check_prompt_fits passed, the caller's stream not made to wait for it
+        (generate does that once)."""
         rows, n = prompt.shape
         lo, hi = torch.stack(torch.aminmax(prompt)).tolist()  # one synchronisation
         if lo < 0 or hi >= self.spec.vocab_size:
@@ -568,22 +570,19 @@ class ReferenceDecoder:
         graph = self.use_graph if use_graph is None else _flag(use_graph, "use_graph") and self.backend.on_gpu
         return_logits = _flag(return_logits, "return_logits")
         timing = _flag(timing, "timing")
-        _check_prompt(prompt)
-        self._check_prompt_shape(prompt)  # before the logits are allocated for n steps
+        self._check_prompt_fits(prompt)  # before the logits are allocated for n steps
         on_gpu = self._stream is not None
-        rows = prompt.shape[0]
-        if rows:
-            # The prefill takes the prompt's tokens, each step one more: all must fit the KV cache
-            # (ctx.max_token_length), checked before anything is queued.
-            # (A prompt longer than planned is a ConfigError above, prompt_len.)
-            length, limit = int(prompt.shape[1]), int(self.ctx.max_token_length)
-            if 1 <= length <= min(limit, self.prompt_len) and length + n - 1 > limit:
-                raise TokenLimitError(
-                    f"generate: max_new_tokens={n} after a prompt of {length} tokens needs {length + n - 1} "
-                    f"token slots, and the KV cache holds {limit} (ctx.max_token_length); "
-                    f"max_new_tokens <= {limit - length + 1} fits", current=0, requested=length + n - 1,
-                    limit=limit)
-        logits = (torch.empty(n, max(rows, 1), self.spec.vocab_size, dtype=self.dtype, device=self.device)
+        rows, length = prompt.shape
+        # The prefill takes the prompt's tokens, each step one more: all must fit the KV cache
+        # (ctx.max_token_length), checked before anything is queued.
+        limit = int(self.ctx.max_token_length)
+        if length <= limit and length + n - 1 > limit:
+            raise TokenLimitError(
+                f"generate: max_new_tokens={n} after a prompt of {length} tokens needs {length + n - 1} "
+                f"token slots, and the KV cache holds {limit} (ctx.max_token_length); "
+                f"max_new_tokens <= {limit - length + 1} fits", current=0, requested=length + n - 1,
+                limit=limit)
+        logits = (torch.empty(n, rows, self.spec.vocab_size, dtype=self.dtype, device=self.device)
                   if return_logits else None)
         marks: list[Any] = []
 
