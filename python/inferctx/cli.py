@@ -425,9 +425,9 @@ def _sweep(shape: ModelShape, kw: dict[str, Any], n: int, as_json: bool, plot: s
                 p = plan_workspace(shape, **request)
                 rows.append((b, p.max_tokens, p.workspace_bytes, p.bound_by))
                 continue
-            except WorkspaceOOMError:
+            except WorkspaceOOMError as exc:
                 if b == 1:  # nothing fits: the planner's reason and hints, not a table of misses
-                    _first_fit_prefixed("--sweep-batch: not even a batch of 1 fits", shape, request)
+                    raise _prefixed("--sweep-batch: not even a batch of 1 fits", exc) from None
                 fits = False
             except ConfigError:
                 if b == 1:
@@ -521,15 +521,20 @@ def _bytes_for(shape: ModelShape, kw: dict[str, Any], tokens: int) -> str:
     return "more than 2**63 bytes"
 
 
+def _prefixed(answer: str, exc: WorkspaceOOMError) -> WorkspaceOOMError:
+    """The planner's refusal (its reason and hints) after the command's own answer."""
+    return WorkspaceOOMError(f"{answer}: {exc.message}", requested_bytes=exc.requested_bytes,
+                             free_bytes=exc.free_bytes, total_bytes=exc.total_bytes,
+                             budget_bytes=exc.budget_bytes, max_batch_size=exc.max_batch_size,
+                             max_out_tokens=exc.max_out_tokens)
+
+
 def _first_fit_prefixed(answer: str, shape: ModelShape, kw: dict[str, Any]) -> None:
     """When not even the smallest request fits: the planner's own reason (memory, weights) and hints."""
     try:
         plan_workspace(shape, **kw)
     except WorkspaceOOMError as exc:
-        raise WorkspaceOOMError(f"{answer}: {exc.message}", requested_bytes=exc.requested_bytes,
-                                free_bytes=exc.free_bytes, total_bytes=exc.total_bytes,
-                                budget_bytes=exc.budget_bytes, max_batch_size=exc.max_batch_size,
-                                max_out_tokens=exc.max_out_tokens) from None
+        raise _prefixed(answer, exc) from None
 
 
 def _no_batch_holds_all(shape: ModelShape, kw: dict[str, Any]) -> NoReturn:

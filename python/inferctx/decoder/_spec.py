@@ -271,7 +271,7 @@ def _decoder_terms(exc: ConfigError, spec: ModelSpec, batch_size: int, prompt_le
                            argument="batch_size")
     if exc.argument not in ("max_out_tokens", "min_out_tokens"):
         return exc
-    if prompt_len >= INT64_MAX or _overflows(spec, batch_size, prompt_len, prompt_len + 1, dtype):
+    if _overflows(spec, batch_size, prompt_len, prompt_len + 1, dtype):
         return ConfigError(f"prompt_len: prompt_len={_brief(prompt_len)} makes the workspace's byte count overflow "
                            f"64 bits (batch_size={batch_size}), with any max_new_tokens; reduce prompt_len",
                            argument="prompt_len")
@@ -291,9 +291,7 @@ def _check_request(spec: ModelSpec, batch_size: int, prompt_len: int, max_new_to
     from ..planning import plan_workspace
 
     total = prompt_len + max_new_tokens
-    try:
-        if total > INT64_MAX:
-            raise ConfigError("max_out_tokens: past int64", argument="max_out_tokens")
+    try:  # a total past int64 is the planner's ConfigError on max_out_tokens, worded below
         plan_workspace(spec.model_shape(), batch_size=batch_size, prompt_len=prompt_len, max_out_tokens=total,
                        min_out_tokens=total, dtype=dtype, free_bytes=INT64_MAX, total_bytes=INT64_MAX)
     except ConfigError as exc:
