@@ -632,9 +632,12 @@ def test_a_view_let_go_waits_for_the_device_without_the_gil(cupy):
 
 
 IMPORT_AFTER_WORK_SCRIPT = """
+import os
 import sys
 import types
 import torch
+
+_LONG = 50 if os.environ.get("INFERCTX_SANITIZE") else 1  # as in the test file
 
 # What the script uses of torch, used once first, so that no lazy import of torch's adds a module
 # later (inferctx looks for torch and CuPy again only when the number of modules changed).
@@ -683,10 +686,13 @@ def test_work_queued_before_torch_is_imported_comes_before_torchs_stream():
 
 
 CUPY_THEN_TORCH_SCRIPT = """
+import os
 import sys
 import types
 import torch
 import cupy
+
+_LONG = 50 if os.environ.get("INFERCTX_SANITIZE") else 1  # as in the test file
 
 # What the script uses of torch and CuPy, used once first, so that no lazy import adds a module
 # later (inferctx looks for torch and CuPy again only when the number of modules changed).

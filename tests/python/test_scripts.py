@@ -2,7 +2,8 @@
 refuses a step it does not know, its fuzz step runs every GPU fuzz suite there is, the
 commands the docs give for gpu-suite and bench-run name steps, variables, files and benchmarks
 that exist, and, with stand-ins for python3, cmake, ctest and compute-sanitizer on PATH, the
-steps' summaries and exit statuses on success and on each kind of failure."""
+steps' summaries and exit statuses on success and on each kind of failure; and the programs GPU
+tests run in a child process use no name they do not define."""
 
 from __future__ import annotations
 
@@ -365,3 +366,57 @@ def test_any_machine_host_sanitize(stand_ins):
     assert done.returncode == 0, done.stdout
     assert done.summary.splitlines()[-1] == "3 passed in 0.10s"
     assert "--durations=5" in done.calls
+
+
+def _child_scripts():
+    """(file, name, source) of every module-level string constant named *_SCRIPT in the test
+    files: the programs GPU tests run in a child process, which no CPU run ever executes."""
+    import ast
+
+    found = []
+    for path in sorted((TOP / "tests" / "python").glob("test_*.py")):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name) and node.targets[0].id.endswith("_SCRIPT")
+                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+                found.append((path.name, node.targets[0].id, node.value.value))
+    return found
+
+
+def _undefined_globals(source):
+    """Names a program reads as globals (at top level or from inside its functions) that it
+    neither assigns, imports, defines nor gets from builtins."""
+    import builtins
+    import symtable
+
+    top = symtable.symtable(source, "<script>", "exec")
+    bound = {s.get_name() for s in top.get_symbols()
+             if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    read = {s.get_name() for s in top.get_symbols() if s.is_referenced()}
+    todo = list(top.get_children())
+    while todo:
+        table = todo.pop()
+        todo.extend(table.get_children())
+        for s in table.get_symbols():
+            if s.is_referenced() and s.is_global():
+                read.add(s.get_name())
+            if s.is_declared_global() and s.is_assigned():
+                bound.add(s.get_name())
+    return sorted(read - bound - set(dir(builtins)))
+
+
+def test_any_machine_the_child_process_scripts_define_every_name_they_use():
+    scripts = _child_scripts()
+    # The files that hold such scripts today: a rename that hid them from this test fails here.
+    assert {f for f, _, _ in scripts} >= {"test_call_contract.py", "test_decoder.py", "test_fuzz_gpu.py",
+                                           "test_streams.py", "test_views.py"}
+    for file, name, source in scripts:
+        assert _undefined_globals(source) == [], f"{file}: {name}"
+
+
+def test_any_machine_the_script_name_check_finds_a_name_defined_only_in_the_test_file():
+    # What the check is for: a name the test module defines, used in the child's program.
+    assert _undefined_globals("import torch\ntorch.cuda._sleep(100 * _LONG)\n") == ["_LONG"]
+    assert _undefined_globals("def f():\n    return _LONG\nf()\n") == ["_LONG"]
+    assert _undefined_globals("_LONG = 1\ndef f():\n    return _LONG + len([])\nf()\n") == []
+    assert _undefined_globals("def f():\n    global g\n    g = 1\nf()\nprint(g)\n") == []
