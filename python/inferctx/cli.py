@@ -3,7 +3,7 @@
 Every failure is one line on stderr in the command's own terms (flag names, GiB for the
 flags given in GiB) and exit status 2; a bare `inferctx` prints the usage on stderr and exits
 2 as well. Output cut short by the reader (`inferctx presets --json | head`) ends quietly
-with status 0.
+with status 0; Ctrl-C ends with one line and status 130.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -59,11 +60,31 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = _NEGATIVE_NUMBER
 
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)  # for error()'s hint
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:  # one line, exit code 2, no usage dump
         ambiguous = re.fullmatch(r"ambiguous option: (.*) could match (.*)", message, re.DOTALL)
         if ambiguous:  # the option as typed, with any value after its "="
             message = f"ambiguous option: {_as_typed(ambiguous.group(1))} could match {ambiguous.group(2)}"
+        missing = re.fullmatch(r"argument (--[\w-]+): expected one argument", message)
+        if missing:
+            message += self._dash_value_hint(missing.group(1))
         raise _UsageError(_one_line(message))
+
+    def _dash_value_hint(self, flag: str) -> str:
+        """Where the flag was followed by a value that starts with '-' (`--plot -x.png`) and that
+        no flag of the command's matches: argparse took it for a flag; how to give it."""
+        given = getattr(self, "_given", [])
+        for typed, value in zip(given, given[1:]):
+            if len(typed) > 2 and flag.startswith(typed) and value.startswith("-") and value != "--":
+                head = value.split("=", 1)[0]
+                if not any(option.startswith(head) for option in self._option_string_actions):
+                    return (f"; {_as_typed(value)} starts with '-', so it was taken for a flag: give it as "
+                            f"{_as_typed(f'{flag}={value}')}")
+        return ""
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         # argparse's own check, with the value clipped: a long value with spaces in it is no one
@@ -119,6 +140,53 @@ def _clip_words(message: str, limit: int = 60) -> str:
     already clipped with its length given (the errors' own "'xxx'... (N characters)") is left."""
     return re.sub(r"\S{%d,}(?!\S)(?! \([\d,]+ characters\))" % (limit + 1),
                   lambda m: f"{m.group(0)[:limit]}... ({len(m.group(0)):,} characters)", message)
+
+
+# A byte that was not UTF-8 on the command line reaches Python as a surrogate (U+DC80..U+DCFF,
+# os.fsencode's round trip); repr() shows it as \\udcff. Both are shown as the byte, \\xff, where
+# the backslash before them is not itself escaped (a typed "\\udcff" is the user's own text).
+_SURROGATE_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\udc([89a-f][0-9a-f])")
+
+
+def _bytes_as_typed(text: str) -> str:
+    """Text with the bytes that were not UTF-8 on the command line shown as the bytes typed."""
+    text = "".join(f"\\x{ord(c) - 0xDC00:02x}" if "\udc80" <= c <= "\udcff" else c for c in text)
+    return _SURROGATE_ESCAPE.sub(lambda m: f"{m.group(1)}\\x{m.group(2)}", text)
+
+
+def _writable(text: str, stream: Any) -> str:
+    """Text as `stream` can write it: unchanged where its encoding has every character; else the
+    bytes not UTF-8 shown as \\xff and other characters it lacks escaped (\\xe9 for an e-acute on an
+    ASCII terminal)."""
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    errors = getattr(stream, "errors", None) or "strict"
+    try:
+        text.encode(encoding, errors)
+        return text
+    except (UnicodeError, LookupError):
+        pass
+    shown = []
+    for c in _bytes_as_typed(text):
+        try:
+            c.encode(encoding, errors)
+            shown.append(c)
+        except (UnicodeError, LookupError):
+            shown.append(c.encode("ascii", "backslashreplace").decode("ascii"))
+    return "".join(shown)
+
+
+def _say(line: str) -> None:
+    """One line on stderr. Where stderr is closed (`2>&-`) or cannot be written (`2>/dev/full`) the
+    line is dropped: the exit status still tells, and stdout (where print() would put it with stderr
+    closed) keeps the output alone."""
+    stream = sys.stderr
+    if stream is None:
+        return
+    try:
+        stream.write(_writable(_bytes_as_typed(line), stream) + "\n")
+        stream.flush()
+    except (OSError, ValueError):
+        _silence(stream)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -390,6 +458,9 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[ModelShape, dict[str, Any], 
 def _check_plot(path: str) -> None:
     """Refuses, before anything is planned or printed, a --plot that could not be written."""
     # matplotlib is optional (inferctx[plot]): its imports are unknown to a type checker without it
+    # The plot is drawn with Agg whatever MPLBACKEND says; matplotlib refuses to load at all with
+    # a backend it does not know there, so it is not shown that variable while it loads.
+    backend = os.environ.pop("MPLBACKEND", None) if "matplotlib" not in sys.modules else None
     try:
         import matplotlib  # type: ignore[import-not-found, unused-ignore]
 
@@ -397,10 +468,20 @@ def _check_plot(path: str) -> None:
         from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         raise _UsageError("--plot needs matplotlib: pip install 'inferctx[plot]'") from None
+    except Exception as exc:  # a broken installation or settings file
+        reason = _clip_words(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise _UsageError(f"--plot: matplotlib could not be loaded: {reason}") from None
+    finally:
+        if backend is not None:
+            os.environ["MPLBACKEND"] = backend
     if os.path.isdir(path):
         raise _UsageError(f"--plot: {_brief(path)} is a folder; give a file name, e.g. "
                           f"{_brief(os.path.join(path, 'sweep.png'))}")
-    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        folder = os.path.dirname(os.path.abspath(path))
+    except OSError:  # a relative name, and the current folder was deleted
+        raise _UsageError(f"--plot: {_brief(path)} is relative to the current folder, which no longer exists; "
+                          f"give a full path") from None
     if not os.path.isdir(folder):
         raise _UsageError(f"--plot: the folder {_brief(folder)} does not exist")
     if not os.access(folder, os.W_OK):
@@ -436,17 +517,28 @@ def _sweep(shape: ModelShape, kw: dict[str, Any], n: int, as_json: bool, plot: s
                 # device holds.
                 fits = False
         rows.append((b, 0, 0, "does not fit"))
-    if as_json:
-        print(json.dumps([dict(batch_size=b, max_tokens=t, workspace_bytes=w, bound_by=why)
-                          for b, t, w, why in rows], indent=2))
-    else:
-        print(f"{'batch':>6}{'max tokens':>12}{'workspace':>14}  bound by")
-        for b, t, w, why in rows:
-            print(f"{b:>6}{t:>12}{human_bytes(w):>14}  {why}")
+    cut_short = None
+    try:
+        if as_json:
+            print(json.dumps([dict(batch_size=b, max_tokens=t, workspace_bytes=w, bound_by=why)
+                              for b, t, w, why in rows], indent=2))
+        else:
+            print(f"{'batch':>6}{'max tokens':>12}{'workspace':>14}  bound by")
+            for b, t, w, why in rows:
+                print(f"{b:>6}{t:>12}{human_bytes(w):>14}  {why}")
+    except BrokenPipeError as exc:  # the reader took what it wanted (`| head`): the plot is still asked for
+        if not plot:
+            raise
+        cut_short = exc
     if plot:
         _plot(rows, plot, kw, names)
         # stdout holds the JSON document alone; the note goes beside it, as errors do
-        print(f"wrote {plot}", file=sys.stderr if as_json else sys.stdout)
+        if as_json:
+            _say(f"wrote {plot}")
+        elif cut_short is None:
+            print(_writable(f"wrote {plot}", sys.stdout))
+    if cut_short is not None:
+        raise cut_short
 
 
 def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], names: dict[str, str]) -> None:
@@ -463,22 +555,52 @@ def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], 
                  f"(policy {kw['policy']})")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    existed = os.path.exists(path)
+    temporary = None
     try:
-        fig.savefig(path)
+        # Drawn into a new file beside the target and renamed over it once whole: a failure, a full
+        # disk or Ctrl-C midway leaves no half-written file, and an earlier plot there as it was.
+        target = os.path.realpath(path)  # through a link, the file it names is replaced
+        if not os.path.exists(target) or os.path.isfile(target):
+            temporary = _new_file_beside(target)
+        fig.savefig(temporary or path)  # the temporary file keeps the extension: matplotlib's format
+        if temporary is not None:
+            os.replace(temporary, target)
+            temporary = None
     except OSError as exc:  # what _check_plot could not foresee: a full disk, a file made meanwhile
         raise _UsageError(f"--plot: could not write {_brief(path)}: {exc.strerror or exc}") from None
     except Exception as exc:  # a format whose writer needs a program not installed (.pgf: LaTeX)
-        if not existed:  # no half-written file left behind (one that was there stays)
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
         reason = _clip_words(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         raise _UsageError(f"--plot: matplotlib could not write {_brief(path)}: {reason}; choose another "
                           f"extension, such as .png, .svg or .pdf") from None
     finally:
         plt.close(fig)
+        if temporary is not None:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+
+
+def _new_file_beside(target: str) -> str:
+    """An empty file in target's folder, named after it with its extension, with the permissions
+    that target has (or that a new file gets)."""
+    folder, name = os.path.split(target)
+    stem, ext = os.path.splitext(name)
+    fd, temporary = tempfile.mkstemp(prefix=f".{stem}.", suffix=ext, dir=folder)
+    try:
+        try:
+            mode = os.stat(target).st_mode & 0o7777
+        except FileNotFoundError:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        os.unlink(temporary)
+        raise
+    os.close(fd)
+    return temporary
 
 
 def _print_plan(p: WorkspacePlan, as_json: bool, extra: dict[str, Any] | None = None, line: str = "") -> None:
@@ -656,9 +778,13 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _silence_stdout() -> None:
+    _silence(sys.stdout)
+
+
+def _silence(stream: Any) -> None:
     # Further writes (the interpreter's flush at exit) go nowhere instead of raising again.
     try:
-        fd = sys.stdout.fileno()
+        fd = stream.fileno()
     except (AttributeError, OSError, ValueError):
         return
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -676,9 +802,8 @@ def _command(parser: argparse.ArgumentParser, argv: Sequence[str] | None, shape_
     if extra:
         raise _UsageError(_unrecognized(extra))
     if args.command is None:
-        parser.print_usage(sys.stderr)
-        print("inferctx: error: give a command: plan, presets or demo (inferctx plan --help for its flags)",
-              file=sys.stderr)
+        _say(parser.format_usage().rstrip("\n"))
+        _say("inferctx: error: give a command: plan, presets or demo (inferctx plan --help for its flags)")
         return 2
     if args.command == "demo":
         return run_demo(args)
@@ -688,35 +813,77 @@ def _command(parser: argparse.ArgumentParser, argv: Sequence[str] | None, shape_
     return _cmd_presets(args)
 
 
+def _blocking_output() -> list[int]:
+    """Makes stdout and stderr blocking where they are not (a pipe its reader made non-blocking):
+    Python's writes drop what such a pipe cannot take at once, and say nothing. Returns the
+    descriptors changed, for _restore_non_blocking."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fd = stream.fileno()
+            if fd not in changed and not os.get_blocking(fd):
+                os.set_blocking(fd, True)
+                changed.append(fd)
+        except (AttributeError, OSError, ValueError):
+            pass
+    return changed
+
+
+def _restore_non_blocking(changed: list[int]) -> None:
+    """The descriptors left non-blocking, as found, once what was written to them is out."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None and stream.fileno() in changed:
+                stream.flush()
+        except (OSError, ValueError):
+            _silence(stream)
+    for fd in changed:
+        try:
+            os.set_blocking(fd, False)
+        except OSError:
+            pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `inferctx` console script; returns the exit code."""
+    changed = _blocking_output()
+    try:
+        return _main(argv)
+    finally:
+        _restore_non_blocking(changed)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     shape_names: set[str] = set()
     try:
         code = _command(parser, argv, shape_names)
         if sys.stdout is None:  # started with descriptor 1 closed: print() dropped the output
             if code == 0:
-                print("inferctx: could not write the output: standard output is closed", file=sys.stderr)
+                _say("inferctx: could not write the output: standard output is closed")
                 return 2
             return code
         sys.stdout.flush()  # a failed write shows here, where it is handled, not at the exit's flush
         return code
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, 128 + 2
+        _say("inferctx: interrupted")
+        code = 130
     except _UsageError as exc:
-        print(f"inferctx: error: {exc}", file=sys.stderr)
-        return 2
+        _say(f"inferctx: error: {exc}")
+        code = 2
     except DemoError as exc:
-        print(f"inferctx demo: {_clip_words(str(exc))}", file=sys.stderr)
-        return 2
+        _say(f"inferctx demo: {_clip_words(str(exc))}")
+        code = 2
     except NoCudaDeviceError as exc:
-        print(f"inferctx: no CUDA device to read free memory from ({exc.name}): give --gpu PRESET (see "
-              f"`inferctx presets`) or --free-gb N to plan without a GPU", file=sys.stderr)
-        return 2
+        _say(f"inferctx: no CUDA device to read free memory from ({exc.name}): give --gpu PRESET (see "
+             f"`inferctx presets`) or --free-gb N to plan without a GPU")
+        code = 2
     except (ConfigError, WorkspaceOOMError) as exc:
-        print(f"inferctx: {type(exc).__name__}: {_cli_terms(str(exc), shape_names)}", file=sys.stderr)
-        return 2
+        _say(f"inferctx: {type(exc).__name__}: {_cli_terms(str(exc), shape_names)}")
+        code = 2
     except InferCtxError as exc:
-        print(f"inferctx: {type(exc).__name__}: {_clip_words(str(exc))}", file=sys.stderr)
-        return 2
+        _say(f"inferctx: {type(exc).__name__}: {_clip_words(str(exc))}")
+        code = 2
     except BrokenPipeError:
         _silence_stdout()
         return 0
@@ -724,5 +891,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.errno not in _WRITE_ERRNOS or exc.filename is not None:
             raise
         _silence_stdout()  # what is left unwritten goes nowhere, and the exit's flush stays quiet
-        print(f"inferctx: could not write the output: {exc.strerror or exc}", file=sys.stderr)
+        _say(f"inferctx: could not write the output: {exc.strerror or exc}")
         return 2
+    # Output printed before the failure (a sweep's table before its --plot failed) goes out now;
+    # where stdout cannot take it, the failure already said is what is reported.
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except (OSError, ValueError):
+        _silence_stdout()
+    return code

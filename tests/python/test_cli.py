@@ -867,3 +867,278 @@ def test_a_long_explicit_argument_to_a_switch_is_clipped(capsys):
     code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--json=" + "a b " * 20_000)
     assert code == 2 and out == "" and err.count("\n") == 1 and len(err) < 500
     assert err.startswith("inferctx: error: argument --json: ignored explicit argument 'a b a b")
+
+
+def _run_catching_ctrl_c(capsys, *argv):
+    """run(), where a KeyboardInterrupt that escapes main fails the test instead of ending pytest."""
+    try:
+        return run(capsys, *argv)
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main: the user sees a traceback")
+
+
+def test_ctrl_c_is_one_line_exit_130(capsys, monkeypatch):
+    # Ctrl-C during a long --sweep-batch (or any command): one line and the shell's status for
+    # SIGINT, 128 + 2, no traceback.
+    import inferctx.cli as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "plan_workspace", interrupted)
+    for argv in (["--sweep-batch", "40"], ["--batch", "2"], ["--max-batch"]):
+        code, out, err = _run_catching_ctrl_c(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", *argv)
+        assert code == 130 and out == "" and err == "inferctx: interrupted\n", (argv, err)
+
+
+def test_ctrl_c_while_the_plot_is_written_leaves_no_half_file(capsys, tmp_path, fake_matplotlib, monkeypatch):
+    def interrupted(self, path):
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fake_matplotlib, "savefig", interrupted)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_catching_ctrl_c(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200",
+                                        "--sweep-batch", "2", "--plot", "curve.png")
+    assert code == 130 and err == "inferctx: interrupted\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written, no temporary file
+    (tmp_path / "old.png").write_bytes(b"an earlier plot")
+    code, _, _ = _run_catching_ctrl_c(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200",
+                                      "--sweep-batch", "2", "--plot", "old.png")
+    assert code == 130 and (tmp_path / "old.png").read_bytes() == b"an earlier plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.png"]
+
+
+def test_a_failed_plot_write_keeps_the_earlier_plot_whole(capsys, tmp_path, fake_matplotlib, monkeypatch):
+    # A full disk midway through the file: the plot that was there is kept as it was, not left
+    # truncated, and no partial file stays behind.
+    import errno
+
+    def full_disk(self, path):
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(fake_matplotlib, "savefig", full_disk)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.png").write_bytes(b"an earlier plot")
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                       "--plot", "old.png")
+    assert code == 2 and err == "inferctx: error: --plot: could not write 'old.png': No space left on device\n"
+    assert (tmp_path / "old.png").read_bytes() == b"an earlier plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.png"]
+    code, _, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                     "--plot", "new.png")
+    assert code == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["old.png"]
+
+
+def test_a_replaced_plot_keeps_its_permissions(capsys, tmp_path, fake_matplotlib, monkeypatch):
+    import os
+    import stat
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.png").write_bytes(b"an earlier plot")
+    os.chmod(tmp_path / "old.png", 0o640)
+    code, _, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                     "--plot", "old.png")
+    assert code == 0 and (tmp_path / "old.png").read_bytes() == b"\x89PNG\r\n\x1a\n"
+    assert stat.S_IMODE(os.stat(tmp_path / "old.png").st_mode) == 0o640
+    umask = os.umask(0)
+    os.umask(umask)
+    code, _, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                     "--plot", "new.png")
+    assert code == 0 and stat.S_IMODE(os.stat(tmp_path / "new.png").st_mode) == 0o666 & ~umask
+
+
+def test_a_non_blocking_stdout_gets_the_whole_output():
+    # A parent that made its pipe non-blocking (node, some CI runners) and reads slowly: the
+    # output arrives whole (Python's own writes would drop what the pipe cannot take at once and
+    # still exit 0), and the pipe is left non-blocking as it was found.
+    import os
+    import select
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "inferctx", "plan", "--preset", "llama-2-7b", "--gpu", "h200",
+                              "--sweep-batch", "2000", "--json"], stdout=w, stderr=subprocess.PIPE, env=env)
+        time.sleep(1)  # the pipe fills before anything is read
+        chunks = []
+        while True:
+            if select.select([r], [], [], 0.2)[0]:
+                chunks.append(os.read(r, 1 << 16))
+            elif p.poll() is not None:
+                break
+        err = p.stderr.read()
+        p.stderr.close()
+        assert p.returncode == 0 and err == b""
+        assert [row["batch_size"] for row in json.loads(b"".join(chunks))] == list(range(1, 2001))
+        assert not os.get_blocking(w)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_plot_name_the_output_cannot_encode_is_escaped(tmp_path, fake_matplotlib, monkeypatch):
+    # PYTHONIOENCODING=ascii with --plot é.png, or a name of bytes that are not UTF-8 (taken
+    # from the command line as surrogates) on a strict UTF-8 stdout: the plot is written under
+    # its own name and the note shows the name escaped, where print() raised UnicodeEncodeError.
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    for encoding, name, shown in (("ascii", "\u00e9.png", "\\xe9.png"), ("utf-8", "\udcff.png", "\\xff.png")):
+        raw = io.BytesIO()
+        monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding=encoding, errors="strict"))
+        code = main(["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2", "--plot", name])
+        sys.stdout.flush()
+        assert code == 0 and raw.getvalue().decode(encoding).endswith(f"\nwrote {shown}\n")
+        assert os.path.exists(os.fsencode(name))
+
+
+def test_bytes_typed_that_are_not_utf_8_are_shown_as_bytes(capsys):
+    # `--preset $'\xff'`: Python passes the byte as the surrogate U+DCFF; the message shows the
+    # byte, not the surrogate.
+    code, out, err = run(capsys, "plan", "--preset", "llama\udcff", "--gpu", "h200")
+    assert code == 2 and out == "" and err.startswith("inferctx: ConfigError: --preset: unknown model preset "
+                                                      "'llama\\xff'; valid: ")
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--b\udcc3\udca4tch", "3")
+    assert code == 2 and err == "inferctx: error: unrecognized arguments: '--b\\xc3\\xa4tch' 3\n"
+    # a backslash typed before "udcff" is the user's own text, left as typed
+    code, out, err = run(capsys, "plan", "--preset", "\\udcff", "--gpu", "h200")
+    assert code == 2 and "preset '\\\\udcff'; valid" in err
+
+
+def test_a_relative_plot_in_a_deleted_folder_is_one_line(capsys, tmp_path, fake_matplotlib, monkeypatch):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                         "--plot", "curve.png")
+    assert code == 2 and out == ""
+    assert err == ("inferctx: error: --plot: 'curve.png' is relative to the current folder, which no longer "
+                   "exists; give a full path\n")
+
+
+def test_an_unwritable_stderr_still_exits_2(capsys, monkeypatch):
+    # `inferctx plan ... 2>/dev/full`: the message cannot be shown; the status still says usage
+    # error (not 1 from a traceback that could not be shown either).
+    import errno
+
+    class Full(io.StringIO):
+        def write(self, s):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sys, "stderr", Full())
+    assert main(["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "0"]) == 2
+    assert main([]) == 2
+    assert capsys.readouterr().out == ""
+
+
+def test_an_unwritable_stderr_in_a_shell_still_exits_2():
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for argv in (["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "0"], []):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, "-m", "inferctx", *argv], stdout=subprocess.PIPE, stderr=full,
+                                  text=True, env=env, timeout=120)
+        assert done.returncode == 2 and done.stdout == "", (argv, done.stdout)
+
+
+def test_a_closed_stderr_keeps_messages_off_stdout(capsys, tmp_path, fake_matplotlib, monkeypatch):
+    # `inferctx plan ... --json --plot x.png 2>&-`: stdout holds the JSON document alone; print()
+    # would have sent the note, or an error, to stdout in stderr's place.
+    monkeypatch.setattr(sys, "stderr", None)
+    path = tmp_path / "curve.png"
+    code = main(["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2", "--json",
+                 "--plot", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0 and path.exists() and [r["batch_size"] for r in json.loads(out)] == [1, 2]
+    assert main(["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--batch", "0"]) == 2
+    assert main([]) == 2
+    assert capsys.readouterr().out == ""
+
+
+def test_a_sweep_cut_short_by_the_reader_still_writes_the_plot(tmp_path, fake_matplotlib, monkeypatch):
+    # `inferctx plan ... --sweep-batch 4000 --plot sweep.png | head -3`: the table is cut short
+    # (quietly, status 0) but the plot asked for is written.
+    class ClosedPipe(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            raise OSError("no file descriptor")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    for extra in ([], ["--json"]):
+        path = tmp_path / f"sweep{len(extra)}.png"
+        assert main(["plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "40", *extra,
+                     "--plot", str(path)]) == 0
+        assert path.read_bytes() == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--plot", "-x.png", "--sweep-batch", "2"],
+     "argument --plot: expected one argument; -x.png starts with '-', so it was taken for a flag: "
+     "give it as --plot=-x.png"),
+    (["--preset", "-x\ty"],
+     "argument --preset: expected one argument; '-x\\ty' starts with '-', so it was taken for a flag: "
+     "give it as '--preset=-x\\ty'"),
+    (["--preset", "--json", "--batch", "2"], "argument --preset: expected one argument"),  # a flag: no hint
+    (["--pre", "-x"], "argument --preset: expected one argument; -x starts with '-', so it was taken for a flag: "
+                      "give it as --preset=-x"),
+])
+def test_a_value_that_starts_with_a_dash_says_how_to_give_it(capsys, argv, message):
+    code, out, err = run(capsys, "plan", "--gpu", "h200", *argv)
+    assert code == 2 and out == "" and err == f"inferctx: error: {message}\n", err
+
+
+def test_an_invalid_mplbackend_does_not_stop_the_plot(tmp_path):
+    # The plot is drawn with matplotlib's Agg whatever the environment says; matplotlib refuses
+    # to load with MPLBACKEND set to a backend it does not know.
+    import os
+    import textwrap
+
+    fake = tmp_path / "site" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(textwrap.dedent("""\
+        import os
+        if os.environ.get("MPLBACKEND", "agg").lower() not in ("agg", "svg", "pdf"):
+            raise ValueError("Key backend: %r is not a valid value for backend" % os.environ["MPLBACKEND"])
+        def use(backend):
+            pass
+        """))
+    (fake / "figure.py").write_text(textwrap.dedent("""\
+        class Figure:
+            class canvas:
+                @staticmethod
+                def get_supported_filetypes():
+                    return {"png": "Portable Network Graphics"}
+            def tight_layout(self):
+                pass
+            def savefig(self, path):
+                with open(path, "wb") as f:
+                    f.write(b"png")
+        """))
+    (fake / "pyplot.py").write_text(textwrap.dedent("""\
+        from .figure import Figure
+        class _Axes:
+            def __getattr__(self, name):
+                return lambda *a, **k: None
+        def subplots(**kwargs):
+            return Figure(), _Axes()
+        def close(fig):
+            pass
+        """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *sys.path]), "MPLBACKEND": "bogus"}
+    path = tmp_path / "curve.png"
+    done = subprocess.run([sys.executable, "-m", "inferctx", "plan", "--preset", "llama-2-7b", "--gpu", "h200",
+                           "--sweep-batch", "2", "--json", "--plot", str(path)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0 and done.stderr == f"wrote {path}\n" and path.read_bytes() == b"png", done.stderr
