@@ -23,8 +23,15 @@ class InferCtxError(Exception):
 
     _fields: tuple[str, ...] = ()
 
-    def __init__(self, message: str, **fields: Any) -> None:
-        super().__init__(message)
+    def __init__(self, *args: object, **fields: Any) -> None:
+        # As any exception: no arguments, or several, are accepted and kept in `args`; the
+        # message is the first. The fields are keywords only (``message=`` names the message).
+        if "message" in fields and "message" not in self._fields:
+            if args:
+                raise TypeError(f"{type(self).__name__} got the message twice: positionally and as "
+                                f"message=")
+            args = (fields.pop("message"),)
+        super().__init__(*args)
         for name in self._fields:
             setattr(self, name, fields.pop(name, None))
         if fields:
@@ -41,14 +48,26 @@ class InferCtxError(Exception):
         return cls(message + _REMEDIES.get(remedy, "").format(device=remedy_device), **fields)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # The fields rebuild the error through its constructor; what else its __dict__ holds
-        # (add_note's __notes__, attributes set on it) is restored after, as for any exception.
-        fields = {n: getattr(self, n) for n in self._fields}
-        extra = {k: v for k, v in self.__dict__.items() if k not in fields}
-        return (_rebuild, (type(self), self.message, fields), extra or None)
+        # The error comes back with the same args (whatever their number and types) and, as its
+        # state, its fields and whatever else it holds (add_note's __notes__, attributes set on
+        # it), without calling the class's __init__ again: a subclass whose constructor takes
+        # other arguments pickles and copies too.
+        state = {n: getattr(self, n) for n in self._fields if hasattr(self, n)}
+        state.update(self.__dict__)
+        return (_restore, (type(self), self.args), state or None)
+
+
+def _restore(cls: type[InferCtxError], args: tuple[Any, ...]) -> InferCtxError:
+    """An error of `cls` with `args`, made as the built-in exception it extends makes one (an
+    ImportError keeps its ``msg``); its fields come after, as its pickled state."""
+    error = BaseException.__new__(cls, *args)
+    if isinstance(error, ImportError):
+        ImportError.__init__(error, *args)
+    return error
 
 
 def _rebuild(cls: type[InferCtxError], message: str, fields: dict[str, Any]) -> InferCtxError:
+    """Unpickles errors pickled by earlier versions (the message and the fields)."""
     return cls(message, **fields)
 
 
@@ -81,8 +100,25 @@ def _brief(value: object, limit: int = 60) -> str:
     try:
         text = repr(value)
     except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
-        text = f"<{type(value).__name__} object>"
+        text = _brief_items(value, limit)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def _brief_items(value: object, limit: int, depth: int = 0) -> str:
+    """A list or tuple whose repr failed (an integer too long to print in it, or an item whose
+    __repr__ raises), shown item by item as _brief shows each; any other value by its type."""
+    if not isinstance(value, (list, tuple)) or type(value) not in (list, tuple) or depth > 3:
+        return f"<{type(value).__name__} object>"
+    shown: list[str] = []
+    for item in value:
+        if sum(len(text) + 2 for text in shown) > limit:
+            shown.append("...")
+            break
+        shown.append(_brief_items(item, limit, depth + 1) if type(item) in (list, tuple)
+                     else _brief(item, limit))
+    if isinstance(value, tuple):
+        return f"({', '.join(shown)}{',' if len(shown) == 1 else ''})"
+    return f"[{', '.join(shown)}]"
 
 
 class ConfigError(InferCtxError, ValueError):

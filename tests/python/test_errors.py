@@ -1,10 +1,12 @@
 """The error hierarchy: base classes, fields, pickling, and the C++ translation."""
 
+import copy
 import json
 import os
 import pickle
 import subprocess
 import sys
+import traceback
 
 import pytest
 
@@ -152,3 +154,159 @@ def test_cuda_library_error_is_an_import_error_that_pickles():
     clone = pickle.loads(pickle.dumps(e))
     assert type(clone) is errors.CudaLibraryError and str(clone) == str(e)
     assert (clone.name, clone.path) == ("inferctx._core", "/site/inferctx/_core.so")
+
+
+ALL_CLASSES = [getattr(errors, name) for name in errors.__all__]
+FIELDS = {cls: fields for cls, fields, _ in CASES}
+FIELDS[errors.CudaLibraryError] = dict(name="inferctx._core", path="/site/inferctx/_core.so")
+
+
+@pytest.mark.parametrize("cls", ALL_CLASSES)
+def test_constructed_as_any_exception_is(cls):
+    # No argument (`raise errors.WorkspaceStateError`), several, or the message by keyword.
+    with pytest.raises(cls) as info:
+        raise cls
+    assert info.value.args == () and info.value.message == "" and str(info.value) == ""
+    assert all(getattr(info.value, name) is None for name in cls._fields)
+    e = cls("what is wrong", 17, **FIELDS.get(cls, {}))
+    assert e.args == ("what is wrong", 17) and e.message == "what is wrong"
+    assert {k: getattr(e, k) for k in FIELDS.get(cls, {})} == FIELDS.get(cls, {})
+    assert cls(message="m").args == ("m",)
+    with pytest.raises(TypeError, match="got the message twice"):
+        cls("m", message="m")
+
+
+@pytest.mark.parametrize("cls", ALL_CLASSES)
+@pytest.mark.parametrize("args", [(), (None,), (7,), ("a", "b"), (10 ** 5000,)])
+def test_pickle_and_copy_keep_args_as_they_are(cls, args):
+    fields = FIELDS.get(cls, {})
+    e = cls(*args, **fields)
+    # (protocol 0 writes integers as text, which Python refuses beyond 4300 digits)
+    protocols = [pickle.DEFAULT_PROTOCOL] + ([0] if args != (10 ** 5000,) else [])
+    for clone in [*(pickle.loads(pickle.dumps(e, protocol=p)) for p in protocols), copy.copy(e), copy.deepcopy(e)]:
+        assert type(clone) is cls and clone.args == args
+        assert {k: getattr(clone, k) for k in fields} == fields
+    # args changed after the error was made (as code that prefixes context does) come back too
+    e = cls("first", **fields)
+    e.args = ("context: first", "detail")
+    assert pickle.loads(pickle.dumps(e)).args == ("context: first", "detail")
+
+
+class _Unprintable:
+    def __str__(self):
+        raise RuntimeError("no str")
+
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+def test_pickle_of_a_message_whose_str_raises():
+    # str() of the error fails, as for any exception with such a message; pickling does not.
+    e = errors.ConfigError(_Unprintable(), argument="x")
+    clone = pickle.loads(pickle.dumps(e))
+    assert isinstance(clone.args[0], _Unprintable) and clone.argument == "x"
+    assert traceback.format_exception_only(clone) == ["inferctx.errors.ConfigError: <exception str() failed>\n"]
+
+
+class _BatchTooLarge(errors.ConfigError):
+    """A user's subclass whose constructor takes its own arguments."""
+
+    def __init__(self, batch_size, limit):
+        super().__init__(f"batch_size: got {batch_size}; it must be <= {limit}", argument="batch_size")
+        self.batch_size, self.limit = batch_size, limit
+
+
+class _WithHint(errors.WorkspaceOOMError):
+    def __init__(self, message, *, hint=None, **fields):
+        super().__init__(message, **fields)
+        self.hint = hint
+
+
+def test_user_subclasses_pickle_and_copy():
+    e = _BatchTooLarge(512, 64)
+    e.add_note("rank 3")
+    for clone in (pickle.loads(pickle.dumps(e)), copy.copy(e), copy.deepcopy(e)):
+        assert type(clone) is _BatchTooLarge and clone.args == e.args and str(clone) == str(e)
+        assert (clone.argument, clone.batch_size, clone.limit) == ("batch_size", 512, 64)
+        assert clone.__notes__ == ["rank 3"]
+        assert isinstance(clone, ValueError) and isinstance(clone, errors.InferCtxError)
+    e = _WithHint("m", hint="smaller batch", max_batch_size=3)
+    clone = pickle.loads(pickle.dumps(e))
+    assert (clone.hint, clone.max_batch_size, clone.free_bytes) == ("smaller batch", 3, None)
+
+
+def test_a_field_deleted_stays_deleted_through_pickle():
+    e = errors.ConfigError("m", argument="x")
+    del e.argument
+    clone = pickle.loads(pickle.dumps(e))
+    assert clone.args == ("m",) and not hasattr(clone, "argument")
+
+
+def test_pickles_of_the_earlier_form_still_load():
+    # (_rebuild, (class, message, fields)) is what pickles made by earlier versions hold.
+    e = errors._rebuild(errors.ConfigError, "m", {"argument": "x"})
+    assert type(e) is errors.ConfigError and e.args == ("m",) and e.argument == "x"
+
+
+def test_cuda_library_error_keeps_import_error_msg_through_pickle():
+    e = errors.CudaLibraryError("libcublas.so.13: cannot open", name="inferctx._core", path="/p")
+    clone = pickle.loads(pickle.dumps(e))
+    assert (clone.msg, clone.name, clone.path, clone.args) == (e.msg, e.name, e.path, e.args)
+
+
+# Errors pickled in one process and unpickled in another, both ways: one the C++ planner raised
+# (ConfigError), one of every class with its fields, notes and args of other types.
+_CHILD = """
+import pickle, sys
+from inferctx import errors, _plan
+from inferctx.planning import _request_fields
+made = []
+fields = _request_fields("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=4,
+                         free_bytes=1 << 30, total_bytes=1 << 30)
+fields["num_heads"] = 0
+try:
+    _plan._plan(fields)
+except errors.ConfigError as e:
+    made.append(e)
+for e in pickle.loads(sys.stdin.buffer.read()):
+    made.append(e)
+sys.stdout.buffer.write(pickle.dumps(made))
+"""
+
+
+def test_pickle_across_processes():
+    sent = []
+    for cls in ALL_CLASSES:
+        e = cls("what is wrong", None, 10 ** 30, **FIELDS.get(cls, {}))
+        e.add_note("in the parent")
+        sent.append(e)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", _CHILD], input=pickle.dumps(sent), capture_output=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    core, *back = pickle.loads(done.stdout)
+    assert type(core) is errors.ConfigError and core.argument == "num_heads" and "got 0" in str(core)
+    for e, clone in zip(sent, back, strict=True):
+        assert type(clone) is type(e) and clone.args == ("what is wrong", None, 10 ** 30)
+        assert clone.__notes__ == ["in the parent"]
+        assert {k: getattr(clone, k) for k in FIELDS.get(type(e), {})} == FIELDS.get(type(e), {})
+
+
+@pytest.mark.parametrize("value, shown", [
+    ((10 ** 5000, 1, 1), "(an integer of 16610 bits, 1, 1)"),
+    ([10 ** 5000], "[an integer of 16610 bits]"),
+    ((10 ** 5000,), "(an integer of 16610 bits,)"),
+    ([(1, _Unprintable()), "x"], "[(1, <_Unprintable object>), 'x']"),
+])
+def test_brief_shows_lists_and_tuples_whose_repr_fails_item_by_item(value, shown):
+    got = errors._brief(value)
+    if shown is not None:
+        assert got == shown
+    assert len(got) < 200
+
+
+def test_brief_of_a_list_holding_itself_and_a_huge_integer():
+    loop = [10 ** 5000]
+    loop.append(loop)
+    got = errors._brief(loop)
+    assert got.startswith("[an integer of 16610 bits, [an integer of 16610 bits") and len(got) < 200
