@@ -503,7 +503,7 @@ def _device_hint(obj, argument, name):
                               argument=argument)
     if hasattr(obj, "__cuda_array_interface__"):
         return None
-    raise ConfigError(f"{name}: {argument} is a {_type_name(obj)}; {name} takes CUDA arrays that "
+    raise ConfigError(f"{name}: {argument} is of type {_type_name(obj)}; {name} takes CUDA arrays that "
                       f"export DLPack or __cuda_array_interface__ (torch, CuPy, JAX, Numba, "
                       f"inferctx.DeviceView)", argument=argument)
 

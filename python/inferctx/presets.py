@@ -157,6 +157,9 @@ def _key(name: object) -> str | None:
 def _lookup(table: dict[str, Any], name: object, kind: str, argument: str) -> Any:
     key = _key(name)
     if key not in table:
+        if not isinstance(name, str):  # a preset is named by a string: say what came instead
+            raise ConfigError(f"{argument}: unknown {kind} preset: got {_brief(name)} ({type(name).__name__}), "
+                              f"not a name; valid: {', '.join(table)}", argument=argument)
         raise ConfigError(f"{argument}: unknown {kind} preset {_brief(name)}; valid: {', '.join(table)}",
                           argument=argument)
     return table[key]

@@ -158,6 +158,18 @@ def test_layout_refusals_name_the_argument(case, argument, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+@pytest.mark.parametrize("call, argument, kind", [
+    (lambda: gm.gemm([1, 2], [3, 4]), "a", "list"), (lambda: gm.gemm(object(), 3), "a", "object"),
+    (lambda: gm.bmm(None, None), "a", "NoneType"),
+])
+def test_an_operand_that_is_no_array_is_named_by_its_type(call, argument, kind):
+    # Before any device is looked up: the same words with or without a GPU.
+    with pytest.raises(ConfigError) as info:
+        call()
+    assert info.value.argument == argument
+    assert f"{argument} is of type {kind}; " in str(info.value) and "takes CUDA arrays" in str(info.value)
+
+
 def test_address_refusals():
     square = ((4, 4), (4, 1))  # 64 bytes of float32
     with pytest.raises(ConfigError) as info:

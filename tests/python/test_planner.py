@@ -818,6 +818,15 @@ def test_an_unknown_preset_given_as_the_model_names_shape():
     assert info.value.argument == "gpu" and str(info.value).startswith("gpu: unknown GPU preset 'nope'; ")
 
 
+@pytest.mark.parametrize("bad, shown", [(10 ** 5000, "an integer of 16610 bits (int)"), (3, "3 (int)"),
+                                        (b"h200", "b'h200' (bytes)")], ids=["huge", "int", "bytes"])
+def test_a_preset_name_that_is_no_string_is_named_as_what_came(bad, shown):
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-2-7b", gpu=bad, batch_size=1, prompt_len=1, max_out_tokens=8)
+    assert info.value.argument == "gpu"
+    assert str(info.value).startswith(f"gpu: unknown GPU preset: got {shown}, not a name; valid: a100-40gb, ")
+
+
 def test_integers_below_int64_say_the_lower_bound():
     kw = dict(prompt_len=1, max_out_tokens=8, gpu="h200")
     with pytest.raises(ConfigError) as info:
