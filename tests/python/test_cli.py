@@ -611,14 +611,17 @@ def test_version_and_bare_command(capsys):
     assert code == 2 and out == "" and err.startswith("usage: inferctx") and "give a command" in err
 
 
+class ClosedPipe(io.StringIO):
+    """A stdout whose reader has gone (`| head`)."""
+
+    def write(self, s):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self):
+        raise OSError("no file descriptor")
+
+
 def test_closed_pipe_is_quiet(monkeypatch, capsys):
-    class ClosedPipe(io.StringIO):
-        def write(self, s):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def fileno(self):
-            raise OSError("no file descriptor")
-
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert main(["presets", "--json"]) == 0
 
@@ -1068,13 +1071,6 @@ def test_a_closed_stderr_keeps_messages_off_stdout(capsys, tmp_path, fake_matplo
 def test_a_sweep_cut_short_by_the_reader_still_writes_the_plot(tmp_path, fake_matplotlib, monkeypatch):
     # `inferctx plan ... --sweep-batch 4000 --plot sweep.png | head -3`: the table is cut short
     # (quietly, status 0) but the plot asked for is written.
-    class ClosedPipe(io.StringIO):
-        def write(self, s):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def fileno(self):
-            raise OSError("no file descriptor")
-
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     for extra in ([], ["--json"]):
         path = tmp_path / f"sweep{len(extra)}.png"
