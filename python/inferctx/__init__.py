@@ -13,18 +13,23 @@ module, and cuBLAS with it, on first use.
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import TYPE_CHECKING, Any
-
-from . import errors
+# Before the package's other modules: a thread that imports inferctx._core directly (as
+# `from inferctx._core import ...`) while this one runs the package's first import finds the
+# package in sys.modules at once (the import system does not wait for a package that another
+# thread is importing), and must find the finder that loads cuBLAS first on sys.meta_path.
 from ._libs import install_hook as _install_hook
-from .errors import *  # noqa: F401,F403  (the exception classes, errors.__all__)
-from .planning import (ModelShape, Region, WorkspacePlan, max_batch_size, max_out_tokens_for,  # noqa: F401
-                       plan_workspace)
-from .presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_info, model_preset  # noqa: F401
 
 _install_hook()
+
+import sys  # noqa: E402
+import types  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+from . import errors  # noqa: E402
+from .errors import *  # noqa: F401,F403,E402  (the exception classes, errors.__all__)
+from .planning import (ModelShape, Region, WorkspacePlan, max_batch_size, max_out_tokens_for,  # noqa: F401,E402
+                       plan_workspace)
+from .presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_info, model_preset  # noqa: F401,E402
 
 __version__ = "0.1.0"
 

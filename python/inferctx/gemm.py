@@ -60,6 +60,7 @@ import numbers
 import os
 import secrets
 import stat
+import threading
 from typing import Any, Dict, Iterator, List
 
 from . import _core
@@ -265,6 +266,38 @@ def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
         return _save_entries(path, target, exported, entries, merge)
 
 
+# The folder descriptors that saves in progress hold (or wait to lock), and what keeps a fork from
+# coming between the open of one and its entry here. A flock belongs to the open file description,
+# which a forked child shares: left open there, it would keep the folder locked after the parent's
+# save, until the child exits (every later save waiting for it, the child's own included). The
+# child closes its copies at once; the parent's lock is unaffected.
+_lock_fds: set[int] = set()
+_lock_fds_guard = threading.Lock()
+
+
+def _before_fork() -> None:
+    _lock_fds_guard.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _lock_fds_guard.release()
+
+
+def _after_fork_in_child() -> None:
+    for fd in _lock_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _lock_fds.clear()
+    _lock_fds_guard.release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
+
+
 @contextlib.contextmanager
 def _folder_lock(path: str) -> Iterator[None]:
     """An exclusive flock on path's folder, released on leaving (a lock on the file itself would
@@ -275,9 +308,14 @@ def _folder_lock(path: str) -> Iterator[None]:
         yield
         return
     folder = os.path.dirname(path) or "."
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError:  # no such folder: the save's own open says so
+    with _lock_fds_guard:
+        try:
+            fd = os.open(folder, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:  # no such folder: the save's own open says so
+            fd = -1
+        else:
+            _lock_fds.add(fd)
+    if fd < 0:
         yield
         return
     try:
@@ -287,7 +325,10 @@ def _folder_lock(path: str) -> Iterator[None]:
             _log.info("save_gemm_cache: could not lock %s (%s); merging without a lock", folder, exc)
         yield
     finally:
-        os.close(fd)  # and with it the lock
+        with _lock_fds_guard:
+            if fd in _lock_fds:  # else closed already: this is a child forked during the save
+                _lock_fds.discard(fd)
+                os.close(fd)  # and with it the lock
 
 
 def _save_entries(path: str, target: str, exported: list, entries: list, merge: bool) -> int:
