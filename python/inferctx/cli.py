@@ -14,8 +14,8 @@ import json
 import math
 import os
 import re
+import secrets
 import sys
-import tempfile
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -582,19 +582,22 @@ def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], 
 
 
 def _new_file_beside(target: str) -> str:
-    """An empty file in target's folder, named after it with its extension, with the permissions
-    that target has (or that a new file gets)."""
+    """A new empty file in target's folder, named after it with its extension, with the
+    permissions that target has (a new file's, as the umask gives them, where there is none)."""
     folder, name = os.path.split(target)
     stem, ext = os.path.splitext(name)
-    fd, temporary = tempfile.mkstemp(prefix=f".{stem}.", suffix=ext, dir=folder)
+    while True:
+        temporary = os.path.join(folder, f".{stem}.{secrets.token_hex(4)}{ext}")
+        try:  # mode 0666 less the umask, as any new file gets, without touching the umask
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         try:
-            mode = os.stat(target).st_mode & 0o7777
+            os.fchmod(fd, os.stat(target).st_mode & 0o7777)
         except FileNotFoundError:
-            umask = os.umask(0o022)
-            os.umask(umask)
-            mode = 0o666 & ~umask
-        os.fchmod(fd, mode)
+            pass
     except BaseException:
         os.close(fd)
         os.unlink(temporary)
