@@ -106,6 +106,26 @@ def test_decoder_modules_pass_mypy_strict_against_the_stubs(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_generates_logits_are_a_tensor_where_they_were_asked_for(tmp_path):
+    # Generation.logits is a tensor for return_logits=True, None for the default, either for a
+    # flag known only at run time; a user's `out.logits - ref` type-checks without a None test.
+    pytest.importorskip("torch", reason="the decoder's types come from torch")
+    r = mypy(tmp_path, "import torch\n"
+                       "from inferctx.decoder import ReferenceDecoder\n"
+                       "def f(dec: ReferenceDecoder, p: torch.Tensor, flag: bool) -> None:\n"
+                       "    asked = dec.generate(p, return_logits=True)\n"
+                       "    plain = dec.generate(p, 4, timing=True)\n"
+                       "    either = dec.generate(p, return_logits=flag)\n"
+                       "    reveal_type(asked.logits)\n"
+                       "    reveal_type(plain.logits)\n"
+                       "    reveal_type(either.logits)\n"
+                       "    (asked.logits - asked.logits).abs()\n", "--follow-imports=silent")
+    revealed = re.findall(r'Revealed type is "(.*)"', r.stdout)
+    assert revealed == ["torch._tensor.Tensor", "None", "Union[torch._tensor.Tensor, None]"] or revealed == [
+        "torch._tensor.Tensor", "None", "torch._tensor.Tensor | None"], r.stdout
+    assert ": error: " not in r.stdout, r.stdout
+
+
 README = Path(__file__).parents[2] / "README.md"
 
 
@@ -116,7 +136,7 @@ def _readme_python_block(title):
     return re.findall(r"```python\n(.*?)```", text[start:end if end != -1 else None], re.S)[0]
 
 
-@pytest.mark.parametrize("title", ["## Python", "## On a GPU", "## Release and retake"])
+@pytest.mark.parametrize("title", ["## Python", "## On a GPU", "## Release and retake", "## Reference decoder"])
 def test_readme_examples_pass_mypy_strict(tmp_path, title):
     source = _readme_python_block(title)
     if "import torch" in source:

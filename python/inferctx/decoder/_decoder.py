@@ -10,7 +10,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Generic, Iterator, Literal, TypeVar, overload
 
 import torch
 
@@ -60,14 +60,19 @@ def _too_long(exc: WorkspaceOOMError, s: ModelSpec, batch: int, prompt_len: int,
         max_out_tokens=most if most > prompt_len else None)
 
 
+# The type of Generation.logits: a tensor where generate was asked for them, None where not (what
+# a type checker sees of a call with return_logits=True, or left out).
+_Logits = TypeVar("_Logits", bound="torch.Tensor | None")
+
+
 @dataclass
-class Generation:
+class Generation(Generic[_Logits]):
     """What ``generate`` returns. ``tokens`` [batch, n] (on the decoder's device); ``logits``
     [n, batch, vocab] when asked for (row i predicts tokens[:, i]); ``prefill_ms`` and
     ``step_ms`` (one per decode step; CUDA-event times on the GPU) when timed."""
 
     tokens: torch.Tensor
-    logits: torch.Tensor | None = None
+    logits: _Logits = None  # type: ignore[assignment]  # None is the value of Generation[None]
     prefill_ms: float | None = None
     step_ms: list[float] = field(default_factory=list)
     graph: bool = False
@@ -562,8 +567,21 @@ class ReferenceDecoder:
             self._run(1, decode=True)
         self._graph = graph
 
+    @overload
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int | None = None, *, return_logits: Literal[True],
+                 use_graph: bool | None = None, timing: bool = False) -> Generation[torch.Tensor]: ...
+
+    @overload
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int | None = None, *,
+                 return_logits: Literal[False] = False, use_graph: bool | None = None,
+                 timing: bool = False) -> Generation[None]: ...
+
+    @overload
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int | None = None, *, return_logits: bool,
+                 use_graph: bool | None = None, timing: bool = False) -> Generation[torch.Tensor | None]: ...
+
     def generate(self, prompt: torch.Tensor, max_new_tokens: int | None = None, *, return_logits: bool = False,
-                 use_graph: bool | None = None, timing: bool = False) -> Generation:
+                 use_graph: bool | None = None, timing: bool = False) -> Generation[Any]:
         """Greedy decoding: ``max_new_tokens`` (default: the planned number) tokens after ``prompt``
         [rows, L]; the prefill gives the first, each decode step one more."""
         n = self.max_new_tokens if max_new_tokens is None else _positive(max_new_tokens, "max_new_tokens")
