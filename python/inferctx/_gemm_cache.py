@@ -62,12 +62,13 @@ def _cache_path(path: Any) -> str:
     if os.path.basename(name) in ("", ".", ".."):
         raise ConfigError(f"path: got {_brief(name)}, which names a folder, not a file; give a file "
                           f"name (as 'gemm.json' or 'folder/gemm.json')", argument="path")
-    # The file may come into being between the two looks (a save in another thread or process
-    # making it): a name that opens it at a third look names it.
-    resolved = None if os.path.exists(name) else os.path.realpath(name)
-    if resolved is not None and os.path.exists(resolved) and not os.path.exists(name):
-        raise ConfigError(f"path: got {_brief(name)}, which names no file the system can open, yet resolves to "
-                          f"the existing {resolved}; give that file's own name", argument="path")
+    if not os.path.exists(name):
+        resolved = os.path.realpath(name)
+        # The file may come into being meanwhile (a save in another thread or process making it):
+        # a name that opens it at a second look names it.
+        if os.path.exists(resolved) and not os.path.exists(name):
+            raise ConfigError(f"path: got {_brief(name)}, which names no file the system can open, yet resolves to "
+                              f"the existing {resolved}; give that file's own name", argument="path")
     return name
 
 

@@ -159,20 +159,14 @@ def _writable(text: str, stream: Any) -> str:
     bytes not UTF-8 shown as \\xff and other characters it lacks escaped (\\xe9 for an e-acute on an
     ASCII terminal)."""
     encoding = getattr(stream, "encoding", None) or "utf-8"
-    errors = getattr(stream, "errors", None) or "strict"
     try:
-        text.encode(encoding, errors)
+        text.encode(encoding, getattr(stream, "errors", None) or "strict")
         return text
-    except (UnicodeError, LookupError):
+    except UnicodeError:
         pass
-    shown = []
-    for c in _bytes_as_typed(text):
-        try:
-            c.encode(encoding, errors)
-            shown.append(c)
-        except (UnicodeError, LookupError):
-            shown.append(c.encode("ascii", "backslashreplace").decode("ascii"))
-    return "".join(shown)
+    except LookupError:  # an encoding Python does not know: ASCII is in every one
+        encoding = "ascii"
+    return _bytes_as_typed(text).encode(encoding, "backslashreplace").decode(encoding)
 
 
 def _say(line: str) -> None:
@@ -594,10 +588,9 @@ def _new_file_beside(target: str) -> str:
         except FileExistsError:
             continue
     try:
-        try:
-            os.fchmod(fd, os.stat(target).st_mode & 0o7777)
-        except FileNotFoundError:
-            pass
+        os.fchmod(fd, os.stat(target).st_mode & 0o7777)
+    except FileNotFoundError:
+        pass  # a new plot: the mode it was made with
     except BaseException:
         os.close(fd)
         os.unlink(temporary)
@@ -780,10 +773,6 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-def _silence_stdout() -> None:
-    _silence(sys.stdout)
-
-
 def _silence(stream: Any) -> None:
     # Further writes (the interpreter's flush at exit) go nowhere instead of raising again.
     try:
@@ -888,12 +877,12 @@ def _main(argv: Sequence[str] | None) -> int:
         _say(f"inferctx: {type(exc).__name__}: {_clip_words(str(exc))}")
         code = 2
     except BrokenPipeError:
-        _silence_stdout()
+        _silence(sys.stdout)
         return 0
     except OSError as exc:
         if exc.errno not in _WRITE_ERRNOS or exc.filename is not None:
             raise
-        _silence_stdout()  # what is left unwritten goes nowhere, and the exit's flush stays quiet
+        _silence(sys.stdout)  # what is left unwritten goes nowhere, and the exit's flush stays quiet
         _say(f"inferctx: could not write the output: {exc.strerror or exc}")
         return 2
     # Output printed before the failure (a sweep's table before its --plot failed) goes out now;
@@ -902,5 +891,5 @@ def _main(argv: Sequence[str] | None) -> int:
         if sys.stdout is not None:
             sys.stdout.flush()
     except (OSError, ValueError):
-        _silence_stdout()
+        _silence(sys.stdout)
     return code
