@@ -25,14 +25,16 @@ cdef bint _is_flag(object value):
 
 cdef int64_t _int_arg_slow(object value, str argument) except? -1:
     if _is_flag(value) or value is None:
-        raise _ConfigError(f"{argument}: got {value!r}; it must be an integer", argument=argument)
+        raise _ConfigError(f"{argument}: got {_brief(value)}; it must be an "
+                           "integer", argument=argument)
     try:
         value = _operator.index(value)
     except TypeError:
-        raise _ConfigError(f"{argument}: got {value!r} ({_type_name(value)}); it must be an integer",
+        raise _ConfigError(f"{argument}: got {_brief(value)} ({_type_name(value)}); it must be "
+                           "an integer",
                            argument=argument) from None
     if not -(1 << 63) <= value < (1 << 63):
-        raise _ConfigError(f"{argument}: got {_errors._brief(value)}; it is outside the 64-bit "
+        raise _ConfigError(f"{argument}: got {_brief(value)}; it is outside the 64-bit "
                            f"integer range",
                            argument=argument)
     return value
@@ -69,15 +71,15 @@ cdef inline uint64_t _uint64_arg(object value, str argument) except? 0:
 
 cdef uint64_t _uint64_arg_slow(object value, str argument) except? 0:
     if _is_flag(value) or value is None:
-        raise _ConfigError(f"{argument}: got {value!r}; it must be an integer in [0, 2**64)",
+        raise _ConfigError(f"{argument}: got {_brief(value)}; it must be an integer in [0, 2**64)",
                            argument=argument)
     try:
         value = _operator.index(value)
     except TypeError:
-        raise _ConfigError(f"{argument}: got {value!r} ({_type_name(value)}); it must be an "
+        raise _ConfigError(f"{argument}: got {_brief(value)} ({_type_name(value)}); it must be an "
                            f"integer in [0, 2**64)", argument=argument) from None
     if not 0 <= value < (1 << 64):
-        raise _ConfigError(f"{argument}: got {_errors._brief(value)}; it must be in [0, 2**64)",
+        raise _ConfigError(f"{argument}: got {_brief(value)}; it must be in [0, 2**64)",
                            argument=argument)
     return <uint64_t>value
 
@@ -107,18 +109,18 @@ cdef tuple _shape_arg(object shape, str argument):
     out = []
     for i, item in enumerate(items):
         if _is_flag(item):
-            raise _ConfigError(f"{argument}: got {_errors._brief(shape)}; its entries must be "
+            raise _ConfigError(f"{argument}: got {_brief(shape)}; its entries must be "
                                f"integers", argument=argument)
         try:
             n = _operator.index(item)
         except TypeError:
-            raise _ConfigError(f"{argument}: got {_errors._brief(shape)}; its entries must be "
+            raise _ConfigError(f"{argument}: got {_brief(shape)}; its entries must be "
                                f"integers", argument=argument) from None
         if n < -1:
-            raise _ConfigError(f"{argument}: entry {i} is {_errors._brief(n)}; sizes must be >= 0 "
+            raise _ConfigError(f"{argument}: entry {i} is {_brief(n)}; sizes must be >= 0 "
                                f"(one may be -1 to take what is left)", argument=argument)
         if n > INT64_MAX:
-            raise _ConfigError(f"{argument}: entry {i} is {_errors._brief(n)}; a size must be below "
+            raise _ConfigError(f"{argument}: entry {i} is {_brief(n)}; a size must be below "
                                f"2**63", argument=argument)
         out.append(n)
     return tuple(out)

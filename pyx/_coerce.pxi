@@ -16,7 +16,7 @@ cdef bint _bool_arg(object value, str argument) except -1:
         return False
     if _is_numpy_bool(value):
         return True if value else False
-    raise _errors.ConfigError(f"{argument}: got {_errors._brief(value)}; it must be True or False",
+    raise _errors.ConfigError(f"{argument}: got {_brief(value)}; it must be True or False",
                               argument=argument)
 
 

@@ -49,6 +49,9 @@ cdef object _torch_empty_like = None
 # lacks either (Tensor.new_empty is used then).
 cdef object _torch_empty_strided = None
 cdef object _torch_current_device = None
+# torch._C._dynamo.guards.TensorGuards: the torch gemm fast path's guards (_gemm.pxi); None where
+# this torch lacks it, or its guards failed once.
+cdef object _tensor_guards = None
 cdef dict _torch_to_dt = None          # torch dtype -> dtype table index
 cdef dict _dt_to_torch = None
 cdef object _cupy = None
@@ -67,7 +70,7 @@ cdef int _refresh_packages() except -1:
     module), and torch's caches are set together, only from a module that has all they take: a
     call never finds some of them set and torch.Tensor's still None."""
     global _torch_tensor, _torch_raw_stream, _torch_empty_like, _torch_to_dt
-    global _torch_empty_strided, _torch_current_device
+    global _torch_empty_strided, _torch_current_device, _tensor_guards
     global _dt_to_torch, _cupy, _cupy_ndarray, _modules_seen
     cdef Py_ssize_t modules = len(_sys.modules)
     if modules == _modules_seen:
@@ -98,14 +101,16 @@ cdef int _refresh_packages() except -1:
                         if t is not None:
                             to_dt[t] = dt
                             from_dt[dt] = t
-                    empty_strided = getattr(getattr(getattr(torch_c, "_dynamo", None), "guards", None),
-                                            "_empty_strided_cuda", None)
+                    guards = getattr(getattr(torch_c, "_dynamo", None), "guards", None)
+                    empty_strided = getattr(guards, "_empty_strided_cuda", None)
+                    tensor_guards = getattr(guards, "TensorGuards", None)
                     current_device = getattr(torch_c, "_cuda_getDevice", None)
                     if empty_strided is None or current_device is None:
                         empty_strided = current_device = None
                     # From here to the last assignment nothing runs Python code: no other thread
                     # sees part of them.
                     _torch_empty_strided = empty_strided
+                    _tensor_guards = tensor_guards
                     _torch_current_device = current_device
                     _torch_to_dt = to_dt
                     _dt_to_torch = from_dt
@@ -221,7 +226,11 @@ cdef uintptr_t _cupy_stream_too(InferenceContext ctx, uintptr_t ctx_stream) exce
 cdef uintptr_t _checked_stream(object stream, int device, str argument) except 0:
     """The handle of a caller's ``stream=``: a stream of `device` that exists. ConfigError naming
     `argument` otherwise, before anything is launched."""
-    cdef uintptr_t handle = _stream_handle(stream, argument)
+    return _checked_handle(stream, _stream_handle(stream, argument), device, argument)
+
+
+cdef uintptr_t _checked_handle(object stream, uintptr_t handle, int device, str argument) except 0:
+    """_checked_stream of a ``stream=`` whose handle (_stream_handle's) is known."""
     cdef int on = -1
     if handle <= <uintptr_t>cudaStreamPerThread:
         # The default streams of whichever device is current: inferctx runs them on ctx's. An
@@ -281,7 +290,7 @@ cdef tuple _dlpack_device_checked(object obj, object dlpack_device, str argument
     if _is_device_pair(got):
         return (int(got[0]), int(got[1]))
     raise _ConfigError(f"{argument}: {_type_name(obj)}.__dlpack_device__() returned "
-                       f"{_errors._brief(got)}; DLPack gives a (device_type, device_id) tuple of "
+                       f"{_brief(got)}; DLPack gives a (device_type, device_id) tuple of "
                        f"two 32-bit ints", argument=argument)
 
 
@@ -385,19 +394,21 @@ cdef class _Call:
         self.abandon()
 
 
-cdef int _ctx_stream_args(object ctx, object stream) except -1:
+cdef uintptr_t _ctx_stream_args(object ctx, object stream) except? 0:
     """What needs no device is named first: a bad ctx or stream object is the caller's error
-    even where the operands' device cannot be read (no GPU, or not CUDA memory)."""
+    even where the operands' device cannot be read (no GPU, or not CUDA memory). Returns the
+    handle of ``stream`` (0 for None), whose device _checked_handle checks once it is known."""
     if ctx is not None and not isinstance(ctx, InferenceContext):
         _bad_ctx(ctx)
     if stream is not None:
-        _stream_handle(stream, "stream")
+        return _stream_handle(stream, "stream")
     return 0
 
 
 def _check_ctx_stream(ctx, stream):
-    """_ctx_stream_args for python/inferctx/gemm.py, which reads devices before _begin."""
-    _ctx_stream_args(ctx, stream)
+    """_ctx_stream_args for python/inferctx/gemm.py, which reads devices before _begin: the
+    handle of ``stream`` (0 for None), for _begin's ``handle``."""
+    return _ctx_stream_args(ctx, stream)
 
 
 cdef int _bad_ctx(object ctx) except -1:
@@ -405,17 +416,20 @@ cdef int _bad_ctx(object ctx) except -1:
                        argument="ctx")
 
 
-cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x"):
+cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x",
+                       object handle_of_stream=None):
     """The streams of a call on `operands` (its arrays in argument order; None for absent ones):
     picks the context, the stream the work runs on and the result package, and makes that
     stream wait for the caller's others. Raises ConfigError for a bad ctx or stream before
-    anything is launched."""
+    anything is launched. `handle_of_stream`: what _ctx_stream_args returned for ctx and stream,
+    where the caller has run it (a stream's __cuda_stream__ is asked once per call)."""
     cdef _Call call = _Call.__new__(_Call)
     cdef int mask = 0
     cdef int package
     cdef bint plain = False
     cdef int device = -1
-    _ctx_stream_args(ctx, stream)
+    cdef uintptr_t handle = (_ctx_stream_args(ctx, stream) if handle_of_stream is None
+                             else <uintptr_t>handle_of_stream)
     for obj in operands:
         if obj is None:
             continue
@@ -430,26 +444,24 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x")
     primary = operands[0]
     device = _operand_device(primary, _package_of(primary), first)
     if device < 0:
-        if ctx is not None and isinstance(ctx, InferenceContext):
+        if ctx is not None:
             device = (<InferenceContext>ctx).device
         else:
             device = as_cuda_array(primary, first, 0).device  # raises for what is not CUDA memory
     cdef InferenceContext context
     if ctx is None:
         context = _context_of(device)
-    elif isinstance(ctx, InferenceContext):
+    else:  # an InferenceContext: _ctx_stream_args refused anything else
         context = <InferenceContext>ctx
         if device != context.device:  # the operand's device: ctx is the one to blame
             raise _ConfigError(f"ctx: the operands are on cuda:{device} but ctx is the context "
                                f"of cuda:{context.device}; pass "
                                f"ctx=InferenceContext.instance({device}) or leave ctx=None",
                                argument="ctx")
-    else:
-        _bad_ctx(ctx)
     call.ctx = context
     call.device = context.device
     if stream is not None:
-        call.kernel = _checked_stream(stream, context.device, "stream")
+        call.kernel = _checked_handle(stream, handle, context.device, "stream")
     elif call.package != PKG_NONE:
         call.kernel = _package_stream(call.package, context.device)
     else:
@@ -474,8 +486,8 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x")
     return call
 
 
-def _begin(operands, ctx=None, stream=None, first="a"):
+def _begin(operands, ctx=None, stream=None, first="a", handle=None):
     """The call contract for python/inferctx/gemm.py: a _Call for `operands` (a tuple) whose first
-    is named `first` in errors."""
-    return _begin_call(tuple(operands), ctx, stream, first)
+    is named `first` in errors; `handle` is what _check_ctx_stream(ctx, stream) returned."""
+    return _begin_call(tuple(operands), ctx, stream, first, handle)
 

@@ -166,7 +166,8 @@ cdef _DLPackImport _consume_capsule(object capsule, object producer, str argumen
         taken.versioned = False
     else:
         raise _ConfigError(
-            f"{argument}: {_type_name(producer)}.__dlpack__() returned {capsule!r}, not an unused "
+            f"{argument}: {_type_name(producer)}.__dlpack__() returned {_brief(capsule)}, not "
+            "an unused "
             f"DLPack capsule ('dltensor' or 'dltensor_versioned')", argument=argument)
     return taken
 
@@ -190,7 +191,7 @@ cdef bint _wants_versioned(object max_version) except -1:
         return False
     if (not isinstance(max_version, tuple) or len(max_version) != 2
             or any(PyBool_Check(v) or not isinstance(v, int) for v in max_version)):
-        raise TypeError(f"max_version: got {max_version!r}; the DLPack spec passes None or a "
+        raise TypeError(f"max_version: got {_brief(max_version)}; the DLPack spec passes None or a "
                         f"(major, minor) tuple of ints")
     return max_version[0] >= 1
 
@@ -203,7 +204,7 @@ cdef int _copy_mode(object copy) except -2:
         return 1
     if copy is False:
         return 0
-    raise _ConfigError(f"copy: got {copy!r}; valid: None, True or False", argument="copy")
+    raise _ConfigError(f"copy: got {_brief(copy)}; valid: None, True or False", argument="copy")
 
 
 cdef bint _is_int32(object value):
@@ -224,7 +225,7 @@ cdef tuple _dl_device_arg(object dl_device):
     if dl_device is None:
         return None
     if not _is_device_pair(dl_device):
-        raise BufferError(f"dl_device: got {_errors._brief(dl_device)}; the DLPack spec passes a "
+        raise BufferError(f"dl_device: got {_brief(dl_device)}; the DLPack spec passes a "
                           f"(device_type, device_id) tuple of 32-bit ints, such as (1, 0) for "
                           f"the CPU")
     return (int(dl_device[0]), int(dl_device[1]))

@@ -73,6 +73,7 @@ cdef int _dtype_index(object dtype, str argument) except -1:
     if isinstance(name, str):
         index = _DTYPE_BY_NAME.get(name.strip().lower())
     if index is None:
-        raise _ConfigError(f"{argument}: got {dtype!r}; valid: {', '.join(_DTYPE_NAMES)} (or the "
+        raise _ConfigError(f"{argument}: got {_brief(dtype)}; valid: {', '.join(_DTYPE_NAMES)} "
+                           "(or the "
                            f"NumPy/torch dtype of one of them)", argument=argument)
     return index

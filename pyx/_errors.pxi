@@ -1,6 +1,7 @@
 # Included by _core.pyx and _plan.pyx: the C++ -> Python error translation.
 
 from inferctx._decl_errors cimport ErrorInfo, current_error_info
+cdef object _brief = _errors._brief  # a value as error messages show it (a raising __repr__ too)
 
 # ErrorKind codes of cuda/include/inferctx/errors.hpp
 cdef dict _KIND_TO_CLASS = {

@@ -36,7 +36,7 @@ _FAULT_SITES = ("device_alloc", "pinned_alloc", "virtual_memory", "event", "stre
 
 cdef int _fault_site(site) except -1:
     if not isinstance(site, str) or site not in _FAULT_SITES:
-        raise _ConfigError(f"site: got {site!r}; the sites are {', '.join(_FAULT_SITES)}",
+        raise _ConfigError(f"site: got {_brief(site)}; the sites are {', '.join(_FAULT_SITES)}",
                            argument="site")
     return _FAULT_SITES.index(site)
 

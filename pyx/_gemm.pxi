@@ -39,6 +39,16 @@ cdef bint _even_strides(tuple shape, tuple strides):
 cdef dict _gemm_layouts = {}
 cdef Py_ssize_t _GEMM_LAYOUT_LIMIT = 4096
 
+# The torch fast path's guarded layouts: for (a.numel(), b.numel(), flags of _torch_product), up
+# to _GUARDS_PER_KEY pairs (check, layout), `check` the bound check method of a torch
+# TensorGuards made from operands the layout was found for. One call of it compares each
+# operand's Python type, dispatch keys (its device type, negative bit, inference mode), dtype,
+# device index, requires_grad, sizes and strides with theirs in torch's C++: what _layout_key and
+# the fast path's device and is_neg checks read, at a fraction of their host time. Bounded;
+# cleared when full, and dropped for good if torch's guards ever fail (the keyed path remains).
+cdef dict _torch_guarded = {}
+cdef int _GUARDS_PER_KEY = 4
+
 
 cdef inline tuple _layout_key(int ndim, bint trans_a, bint trans_b, object dt_a, object shape_a,
                               object strides_a, object dt_b, object shape_b, object strides_b,
@@ -229,23 +239,20 @@ cdef object _torch_product(int ndim, a, b, out, trans_a, trans_b, alpha, beta, c
             or not (fabs(<double>alpha) <= FLT_MAX and fabs(<double>beta) <= FLT_MAX)):
         return NotImplemented  # gemm.py's path says what is wrong (alpha or beta not finite in fp32)
     cdef int device = a.get_device()
-    if device < 0 or b.get_device() != device or (out is not None and out.get_device() != device):
+    if device < 0:
         return NotImplemented
     cdef InferenceContext context = _fast_path_context(ctx, device)
     if context is None:
         return NotImplemented
-    cdef object dt_a = _torch_to_dt.get(a.dtype)
-    cdef object dt_b = _torch_to_dt.get(b.dtype)
-    key = (_layout_key(ndim, trans_a, trans_b, dt_a, a.shape, a.stride(), dt_b, b.shape, b.stride(),
-                       None, None, None) if out is None else
-           _layout_key(ndim, trans_a, trans_b, dt_a, a.shape, a.stride(), dt_b, b.shape, b.stride(),
-                       _torch_to_dt.get(out.dtype), out.shape, out.stride()))
-    found = _gemm_layouts.get(key)
-    if found is None:
-        return NotImplemented
-    cdef _GemmLayout layout = <_GemmLayout>found
-    if layout.may_be_negated and (a.is_neg() or b.is_neg() or (out is not None and out.is_neg())):
-        return NotImplemented  # the general path says what is wrong
+    cdef int flags = (ndim << 3) | (4 if out is not None else 0) | (2 if trans_a else 0) | (
+        1 if trans_b else 0)
+    guard_key = (a.numel(), b.numel(), flags)
+    cdef _GemmLayout layout = _guarded_layout(guard_key, a, b, out)
+    if layout is None:
+        layout = _keyed_layout(ndim, trans_a, trans_b, a, b, out, device)
+        if layout is None:
+            return NotImplemented
+        _guard_layout(guard_key, a, b, out, layout)
     if out is None:
         if (_torch_empty_strided is not None and type(a) is _torch_tensor
                 and _torch_current_device() == device):
@@ -260,6 +267,67 @@ cdef object _torch_product(int ndim, a, b, out, trans_a, trans_b, alpha, beta, c
     cdef uintptr_t stream = _package_stream(PKG_TORCH, device)
     _run_gemm(context, stream, layout, a.data_ptr(), b.data_ptr(), out.data_ptr(), alpha, beta, tf32)
     return out
+
+
+cdef _GemmLayout _guarded_layout(tuple guard_key, a, b, out):
+    """The layout whose guards a, b (and out) pass, else None."""
+    global _tensor_guards
+    entries = _torch_guarded.get(guard_key)
+    if entries is None:
+        return None
+    try:
+        for check, layout in <tuple>entries:
+            if check(a, b) if out is None else check(a, b, out):
+                return <_GemmLayout>layout
+    except Exception:  # a torch whose guards changed: the keyed path serves every call from now on
+        _tensor_guards = None
+        _torch_guarded.clear()
+    return None
+
+
+cdef _GemmLayout _keyed_layout(int ndim, bint trans_a, bint trans_b, a, b, out, int device):
+    """The layout _gemm_layouts holds for the signature of torch tensors a, b (and out) on
+    `device`, else None (also where a device differs or an operand is negated: the general path
+    says what is wrong)."""
+    if b.get_device() != device or (out is not None and out.get_device() != device):
+        return None
+    cdef object dt_a = _torch_to_dt.get(a.dtype)
+    cdef object dt_b = _torch_to_dt.get(b.dtype)
+    key = (_layout_key(ndim, trans_a, trans_b, dt_a, a.shape, a.stride(), dt_b, b.shape, b.stride(),
+                       None, None, None) if out is None else
+           _layout_key(ndim, trans_a, trans_b, dt_a, a.shape, a.stride(), dt_b, b.shape, b.stride(),
+                       _torch_to_dt.get(out.dtype), out.shape, out.stride()))
+    found = _gemm_layouts.get(key)
+    if found is None:
+        return None
+    cdef _GemmLayout layout = <_GemmLayout>found
+    if layout.may_be_negated and (a.is_neg() or b.is_neg() or (out is not None and out.is_neg())):
+        return None
+    return layout
+
+
+cdef int _guard_layout(tuple guard_key, a, b, out, _GemmLayout layout) except -1:
+    """Keeps TensorGuards of a, b (and out), which _keyed_layout found `layout` for, under
+    guard_key: the next call of the same signature finds it by _guarded_layout."""
+    global _tensor_guards
+    if _tensor_guards is None:
+        return 0
+    try:
+        guards = (_tensor_guards(a, b, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+                  if out is None else
+                  _tensor_guards(a, b, out, dynamic_dims_sizes=None, dynamic_dims_strides=None))
+        check = guards.check
+    except Exception:  # a torch whose TensorGuards takes other arguments: the keyed path serves
+        _tensor_guards = None
+        _torch_guarded.clear()
+        return 0
+    entries = _torch_guarded.get(guard_key)
+    if entries is None and len(_torch_guarded) >= _GEMM_LAYOUT_LIMIT:
+        _torch_guarded.clear()
+    # A new tuple replaces the old one: a thread reading the old one meanwhile reads it whole.
+    _torch_guarded[guard_key] = ((check, layout),) + (
+        () if entries is None else (<tuple>entries)[:_GUARDS_PER_KEY - 1])
+    return 0
 
 
 def _gemm_layout(int ndim, bint trans_a, bint trans_b, a, b, out=None, addresses=None):

@@ -220,24 +220,26 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
             _bad_interface(obj, argument, f"has no {key!r}")
     typestr = interface["typestr"]
     if not isinstance(typestr, str):
-        _bad_interface(obj, argument, f"'typestr' is {typestr!r}, not a str")
+        _bad_interface(obj, argument, f"'typestr' is {_brief(typestr)}, not a str")
     dtype = _DTYPE_BY_TYPESTR.get(typestr[1:]) if typestr[:1] in ("<", "|", "=", ">") else None
     if dtype is not None and typestr[0] == ">" and _DTYPE_ITEMSIZE[<int>dtype] != 1:
         dtype = None  # big-endian; for one-byte items the byte order means nothing
     if dtype is None:
-        raise _ConfigError(f"{argument}: its typestr {typestr!r} is not one inferctx handles "
+        raise _ConfigError(f"{argument}: its typestr {_brief(typestr)} is not one inferctx handles "
                            f"(little-endian {', '.join(_DTYPE_NAMES)})", argument=argument)
     cdef int64_t itemsize = _DTYPE_ITEMSIZE[<int>dtype]
     shape = _interface_ints(obj, argument, "shape", interface["shape"], False)
     cdef int64_t size = _shape_size(shape, itemsize, argument)
     data = interface["data"]
     if not isinstance(data, tuple) or len(data) != 2:
-        _bad_interface(obj, argument, f"'data' is {data!r}; the interface gives (pointer, read_only)")
+        _bad_interface(obj, argument, f"'data' is {_brief(data)}; the interface gives "
+                                      "(pointer, read_only)")
     address, read_only = data
     if address is None:
         address = 0
     if PyBool_Check(address) or not isinstance(address, int) or not 0 <= address < (1 << 64):
-        _bad_interface(obj, argument, f"'data' pointer is {address!r}; it must be an int in [0, 2**64)")
+        _bad_interface(obj, argument, f"'data' pointer is {_brief(address)}; it must be an int "
+                                      "in [0, 2**64)")
     byte_strides = interface.get("strides")
     if byte_strides is None:
         strides = _contiguous_strides(shape)
@@ -254,11 +256,12 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
         strides = tuple([s // itemsize for s in byte_strides])
     version = interface.get("version", 0)
     if PyBool_Check(version) or not isinstance(version, int):
-        _bad_interface(obj, argument, f"'version' is {version!r}, not an int")
+        _bad_interface(obj, argument, f"'version' is {_brief(version)}, not an int")
     producer = interface.get("stream") if version >= 3 else None
     if producer is not None and stream != 0:
         if PyBool_Check(producer) or not isinstance(producer, int) or not 0 < producer < (1 << 64):
-            raise _ConfigError(f"{argument}: __cuda_array_interface__ 'stream' is {producer!r}; "
+            raise _ConfigError(f"{argument}: __cuda_array_interface__ 'stream' is "
+                               f"{_brief(producer)}; "
                                f"the interface allows None, 1, 2 or a stream handle (an int in "
                                f"[3, 2**64))", argument=argument)
     cdef uintptr_t ptr = <uintptr_t>address
@@ -289,7 +292,7 @@ cdef tuple _interface_ints(object obj, str argument, str key, object value, bint
                 break
             out.append(i)
     if bad:
-        _bad_interface(obj, argument, f"{key!r} is {value!r}; it must be a tuple of "
+        _bad_interface(obj, argument, f"{key!r} is {_brief(value)}; it must be a tuple of "
                                       f"{'ints' if signed else 'non-negative ints'} within int64")
     return tuple(out)
 
@@ -315,7 +318,8 @@ def _as_cuda_array(obj, argument="x", stream=None):
     """``obj`` as a CudaArray (what the kernels take); ``stream``: the stream to order it
     before (a stream-like object or handle), None for no ordering."""
     if not isinstance(argument, str):
-        raise _ConfigError(f"argument: got {argument!r}; it must be the argument's name (str)",
+        raise _ConfigError(f"argument: got {_brief(argument)}; it must be the argument's name "
+                           "(str)",
                            argument="argument")
     cdef uintptr_t handle = 0 if stream is None else _stream_handle(stream, "stream")
     return as_cuda_array(obj, argument, handle)

@@ -13,13 +13,14 @@ cdef dict _MASK_MODES = {None: 0, "bytes": 1, "bits": 2}
 
 cdef double _probability_arg(object p) except? -1:
     if _is_flag(p) or not isinstance(p, (int, float)) and not hasattr(p, "__float__"):
-        raise _ConfigError(f"p: got {_errors._brief(p)}; it must be a number in [0, 1], the probability of "
+        raise _ConfigError(f"p: got {_brief(p)}; it must be a number in [0, 1], the probability of "
                            f"dropping an element", argument="p")
     cdef double v
     try:
         v = float(p)
     except (OverflowError, ValueError, TypeError):
-        raise _ConfigError(f"p: got {_errors._brief(p)}, which is not a finite number; it must be a number in "
+        raise _ConfigError(f"p: got {_brief(p)}, which is not a finite number; it must be a "
+                           "number in "
                            f"[0, 1], the probability of dropping an element", argument="p") from None
     if isnan(v) or v < 0.0 or v > 1.0:
         raise _ConfigError(f"p: got {v!r}; it must be in [0, 1], the probability of dropping an "
@@ -141,7 +142,7 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     cdef double prob = _probability_arg(p)
     # (a list or dict would make the lookup raise TypeError: unhashable)
     if not (mask is None or isinstance(mask, str)) or mask not in _MASK_MODES:
-        raise _ConfigError(f"mask: got {mask!r}; valid: 'bits' (default), 'bytes' or None",
+        raise _ConfigError(f"mask: got {_brief(mask)}; valid: 'bits' (default), 'bytes' or None",
                            argument="mask")
     cdef int mode = _MASK_MODES[mask]
     if (seed is None) != (offset is None):

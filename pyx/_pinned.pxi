@@ -154,7 +154,8 @@ cdef class PinnedBuffer:
         if target is not None:
             if target[1] != 0 or (target[0] != kDLCPU and target[0] != kDLCUDAHost):
                 raise BufferError(f"__dlpack__: cannot export a PinnedBuffer to dl_device="
-                                  f"{dl_device!r}; it is host memory: (3, 0) or the CPU, (1, 0)")
+                                  f"{_brief(dl_device)}; it is host memory: (3, 0) or the CPU, "
+                                  "(1, 0)")
             device_type = target[0]
         self._wait_copies()
         if mode == 1:

@@ -29,7 +29,8 @@ cdef uintptr_t _stream_handle(object stream, str argument) except 0:
                                f"__init__); pass {_STREAM_LIKE}", argument=argument)
         return (<Stream>stream)._handle
     if PyBool_Check(stream) or stream is None:
-        raise _ConfigError(f"{argument}: got {stream!r}; pass {_STREAM_LIKE}", argument=argument)
+        raise _ConfigError(f"{argument}: got {_brief(stream)}; pass "
+                           f"{_STREAM_LIKE}", argument=argument)
     if isinstance(stream, int):
         handle = stream
     elif hasattr(stream, "__cuda_stream__"):
@@ -38,7 +39,7 @@ cdef uintptr_t _stream_handle(object stream, str argument) except 0:
             protocol = protocol()
         if not isinstance(protocol, tuple) or len(protocol) != 2:
             raise _ConfigError(f"{argument}: {_type_name(stream)}.__cuda_stream__ gave "
-                               f"{_errors._brief(protocol)}; the protocol returns (version, handle)",
+                               f"{_brief(protocol)}; the protocol returns (version, handle)",
                                argument=argument)
         handle = protocol[1]
     elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
@@ -49,7 +50,7 @@ cdef uintptr_t _stream_handle(object stream, str argument) except 0:
         raise _ConfigError(f"{argument}: got a {_type_name(stream)}; pass {_STREAM_LIKE}",
                            argument=argument)
     if PyBool_Check(handle) or not isinstance(handle, int) or not 0 <= handle < (1 << 64):
-        raise _ConfigError(f"{argument}: got the stream handle {_errors._brief(handle)}; a handle is an "
+        raise _ConfigError(f"{argument}: got the stream handle {_brief(handle)}; a handle is an "
                            f"integer in [0, 2**64)", argument=argument)
     if handle == 0:
         return <uintptr_t>cudaStreamLegacy

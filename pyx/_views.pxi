@@ -174,7 +174,7 @@ cdef class DeviceView:
                 argument="offset")
         available = self._nbytes - start
         if dims.count(-1) > 1:
-            raise _ConfigError(f"shape: got {shape!r}; at most one size may be -1",
+            raise _ConfigError(f"shape: got {_brief(shape)}; at most one size may be -1",
                                argument="shape")
         known = 1
         for n in dims:
@@ -182,7 +182,8 @@ cdef class DeviceView:
                 known *= n
         if -1 in dims:
             if known == 0:
-                raise _ConfigError(f"shape: got {shape!r}; -1 cannot be inferred next to a 0 size",
+                raise _ConfigError(f"shape: got {_brief(shape)}; -1 cannot be inferred next to "
+                                   "a 0 size",
                                    argument="shape")
             dims = tuple(available // itemsize // known if n == -1 else n for n in dims)
             known *= available // itemsize // known
@@ -295,13 +296,14 @@ cdef class DeviceView:
             if mode == 0:
                 raise BufferError(
                     f"__dlpack__: this DeviceView is in GPU memory; exporting it to dl_device="
-                    f"{dl_device!r} needs a copy, which copy=False forbids. Pass copy=None or "
+                    f"{_brief(dl_device)} needs a copy, which copy=False forbids. Pass "
+                    "copy=None or "
                     f"True, or import it on the GPU (torch.from_dlpack, cupy.from_dlpack)")
             host = self._host_copy()
             return _export_capsule(host, <void*>host._ptr, target[0], 0, self._shape,
                                    self._dtype, versioned, DLPACK_FLAG_BITMASK_IS_COPIED)
         raise BufferError(
-            f"__dlpack__: cannot export to dl_device={dl_device!r}; this DeviceView is on "
+            f"__dlpack__: cannot export to dl_device={_brief(dl_device)}; this DeviceView is on "
             f"(2, {self._device}) (kDLCUDA) and can be copied to the CPU, (1, 0), or to CUDA host "
             f"memory, (3, 0)")
 
@@ -394,7 +396,8 @@ cdef bint _consumer_stream(object stream, uintptr_t* consumer) except -1:
         consumer[0] = <uintptr_t>cudaStreamLegacy  # the specification's meaning of None
         return True
     if PyBool_Check(stream) or not isinstance(stream, int):
-        raise _ConfigError(f"stream: got {stream!r}; __dlpack__ takes None, -1, 1, 2 or a CUDA "
+        raise _ConfigError(f"stream: got {_brief(stream)}; __dlpack__ takes None, -1, 1, 2 or "
+                           "a CUDA "
                            f"stream handle (int)", argument="stream")
     if stream == -1:
         return False

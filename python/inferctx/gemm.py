@@ -24,7 +24,7 @@ each call releases the GIL around the C++ one and C++ errors become inferctx.err
 ``_core.gemm`` / ``_core.bmm``
     The public functions (this module's ``gemm`` and ``bmm``): the torch fast path in compiled
     code, every other call handed to ``_product`` here (``_core._set_gemm_general``).
-``_core._begin(operands, ctx, stream) -> call``
+``_core._begin(operands, ctx, stream, first, handle) -> call``
     The call contract for ``operands`` (a, b, out): ``call.ctx``, ``call.kernel`` (the stream
     handle the product runs on), ``call.import_array(obj, argument) -> CudaArray`` and
     ``call.done()`` (the caller's streams wait for it); ``call.given_up()`` in its place when
@@ -461,10 +461,10 @@ def _product(name, ndim, a, b, out, trans_a, trans_b, alpha, beta, ctx, tf32, st
         _device_hint(out, "out", name)
     if ctx is not None and device is not None and device != _context_device(ctx):
         _ctx_device_error(name, device, _context_device(ctx))
-    _core._check_ctx_stream(ctx, stream)  # named before a device is asked for its context
+    handle = _core._check_ctx_stream(ctx, stream)  # named before a device is asked for its context
     if ctx is None and device is None and b_device is not None:
         ctx = _core.InferenceContext.instance(b_device)  # the device's one context
-    call = _core._begin((a, b, out), ctx, stream)
+    call = _core._begin((a, b, out), ctx, stream, "a", handle)
     try:
         va = call.import_array(a, "a")
         vb = call.import_array(b, "b")

@@ -968,6 +968,53 @@ def test_stream_that_is_not_a_stream_is_refused_before_launch(torch, ctx, bad):
     assert bool((y == 7.0).all())  # nothing was launched
 
 
+class _CountingStream:
+    """A __cuda_stream__ producer that counts how often it is asked."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.asked = 0
+
+    def __cuda_stream__(self):
+        self.asked += 1
+        return (0, self.handle)
+
+
+class _Bare:
+    """A tensor seen only through its CUDA array interface (no package: a DeviceView result)."""
+
+    def __init__(self, t):
+        self.t = t
+        self.__cuda_array_interface__ = t.__cuda_array_interface__
+
+
+def test_a_stream_argument_is_asked_for_its_handle_once_per_call(torch, ctx):
+    # Its __cuda_stream__ may do work (a library's stream wrapper); each kernel call reads the
+    # handle once, the general gemm path included (torch operands with stream= take it).
+    side = torch.cuda.Stream()
+    s = _CountingStream(side.cuda_stream)
+    a = _ints(torch, (16, 8), 1, torch.float32)
+    b = _ints(torch, (8, 4), 2, torch.float32)
+    want = (a.double() @ b.double()).float()
+    x = torch.ones(256, device="cuda")
+    calls = [
+        lambda: inferctx.gemm(a, b, stream=s),
+        lambda: inferctx.bmm(a[None], b[None], stream=s)[0],
+        lambda: inferctx.gemm(_Bare(a), _Bare(b), stream=s),
+        lambda: inferctx.dropout(x, 0.0, stream=s)[0],
+    ]
+    for i, call in enumerate(calls):
+        before = s.asked
+        got = call()
+        assert s.asked == before + 1, (i, s.asked - before)
+        torch.cuda.current_stream().synchronize()
+        if i < 3:
+            got = torch.from_dlpack(got) if not isinstance(got, torch.Tensor) else got
+            assert torch.equal(got, want), i
+        else:
+            assert bool((got == 1).all())
+
+
 def test_destroyed_stream_is_refused(torch, ctx):
     s = inferctx.Stream()
     handle = s.handle

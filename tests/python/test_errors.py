@@ -208,6 +208,28 @@ def test_pickle_of_a_message_whose_str_raises():
     assert traceback.format_exception_only(clone) == ["inferctx.errors.ConfigError: <exception str() failed>\n"]
 
 
+@pytest.mark.parametrize("call", ["instance", "event_device", "stream_device", "pinned_nbytes",
+                                  "plan_flag"])
+def test_a_value_whose_repr_raises_is_named_by_its_type_in_the_compiled_messages(call):
+    # The compiled layer's messages show what came through errors._brief: a value whose __repr__
+    # raises gives the ConfigError about the argument, not the __repr__'s RuntimeError.
+    from inferctx import _core
+    from inferctx.context import Event, PinnedBuffer, Stream
+    value = _Unprintable()
+    calls = {
+        "instance": (lambda: _core.InferenceContext.instance(value), "device"),
+        "event_device": (lambda: Event(device=value), "device"),
+        "stream_device": (lambda: Stream(device=value), "device"),
+        "pinned_nbytes": (lambda: PinnedBuffer(value), "nbytes"),
+        "plan_flag": (lambda: _core._as_bool(value, "tuned_only"), "tuned_only"),
+    }
+    fn, argument = calls[call]
+    with pytest.raises(errors.ConfigError) as info:
+        fn()
+    assert info.value.argument == argument
+    assert f"{argument}: got <_Unprintable object>" in str(info.value)
+
+
 class _BatchTooLarge(errors.ConfigError):
     """A user's subclass whose constructor takes its own arguments."""
 

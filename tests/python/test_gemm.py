@@ -1111,6 +1111,58 @@ def test_gpu_new_results_are_laid_out_as_torch_matmuls(shapes):
 
 
 @pytest.mark.gpu
+def test_gpu_the_fast_path_tells_apart_operands_of_the_same_element_counts(ctx):
+    """The torch fast path finds a known signature by the operands' element counts and torch's
+    tensor guards: each variant below has the counts of the first call and a layout of its own
+    (or none: the general path's error). Every product must be torch's, with and without out=,
+    each variant run twice (its second call on the fast path)."""
+    import gc
+    import weakref
+
+    torch = _torch()
+    a = _rand((64, 32), "float32")
+    b = _rand((32, 16), "float32")
+    b_cols = _rand((16, 32), "float32").t()  # (32, 16), column-major
+    variants = [
+        ("plain", a, b),
+        ("b column-major", a, b_cols),
+        ("a column-major", _rand((32, 64), "float32").t(), b),
+        ("a as (32, 64) with b (64, 8)", _rand((32, 64), "float32"), _rand((64, 8), "float32")),
+        ("half", a.half(), b.half()),
+        ("bfloat16", a.bfloat16(), b.bfloat16()),
+        ("a with padded rows", _rand((64, 40), "float32")[:, :32], b),
+        ("requires_grad", a.clone().requires_grad_(), b),
+    ]
+    for _ in range(2):
+        for name, x, y in variants:
+            want = (x.detach().double() @ y.double()).to(x.dtype)
+            bound = 1e-5 if x.dtype == torch.float32 else 1e-2
+            got = gm.gemm(x, y)
+            torch.testing.assert_close(got, want, rtol=bound, atol=bound * 32, msg=name)
+            out = torch.empty_like(want)
+            assert gm.gemm(x, y, out=out) is out
+            torch.testing.assert_close(out, want, rtol=bound, atol=bound * 32, msg=name)
+            out_cols = torch.empty_like(want.t()).t()  # the same counts, column-major
+            assert gm.gemm(x, y, out=out_cols) is out_cols
+            torch.testing.assert_close(out_cols, want, rtol=bound, atol=bound * 32, msg=name)
+        with torch.inference_mode():
+            xi, yi = a.clone(), b.clone()  # inference tensors: other dispatch keys
+            torch.testing.assert_close(gm.gemm(xi, yi), (a.double() @ b.double()).float())
+        # Mixed dtypes of the same counts: the general path's error, on every call.
+        with pytest.raises(ConfigError) as info:
+            gm.gemm(a, b.half())
+        assert info.value.argument == "b"
+    # What the fast path keeps for a signature holds no operand: their memory goes back.
+    x = _rand((64, 32), "float32")
+    kept = weakref.ref(x)
+    for _ in range(3):
+        gm.gemm(x, b)
+    del x
+    gc.collect()
+    assert kept() is None
+
+
+@pytest.mark.gpu
 def test_gpu_fp32_without_and_with_tf32(ctx):
     a, b = _rand((64, 4096), "float32"), _rand((4096, 64), "float32")
     ref = a.double() @ b.double()
