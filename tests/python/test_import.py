@@ -222,3 +222,33 @@ sys.exit(code)
     assert done.returncode == 2 and len(lines) == 2, done.stderr
     assert lines[0].startswith("inferctx: CudaLibraryError: libcublas.so.13: cannot open shared object file")
     assert "pip install 'nvidia-cublas>=13,<14'" in lines[0] and lines[1] == "planned 0"
+
+
+def test_without_cublas_planning_names_import_and_whole_package_listings_name_the_wheel():
+    # README: without cuBLAS, planning names import by name; `import *`, help() and
+    # inspect.getmembers touch the GPU names and raise CudaLibraryError, naming the wheel.
+    code = """
+import inspect, pydoc, sys
+from importlib.machinery import ExtensionFileLoader
+real = ExtensionFileLoader.create_module
+def create_module(self, spec):
+    if spec.name != 'inferctx._core':
+        return real(self, spec)
+    raise ImportError('libcublas.so.13: cannot open shared object file: No such file or directory', name=spec.name)
+ExtensionFileLoader.create_module = create_module
+import inferctx
+from inferctx import max_batch_size, plan_workspace
+print('planned', max_batch_size('llama-2-7b', max_out_tokens=4096, gpu='h100-80gb'))
+for name, call in [('star', lambda: exec('from inferctx import *', {})),
+                   ('help', lambda: pydoc.render_doc(inferctx, renderer=pydoc.plaintext)),
+                   ('getmembers', lambda: inspect.getmembers(inferctx))]:
+    try:
+        call()
+        print(name, 'no error')
+    except inferctx.CudaLibraryError as exc:
+        print(name, 'CudaLibraryError', "nvidia-cublas" in str(exc))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["planned 19", "star CudaLibraryError True",
+                                        "help CudaLibraryError True", "getmembers CudaLibraryError True"]
