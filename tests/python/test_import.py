@@ -201,9 +201,9 @@ def test_the_library_search_takes_sys_path_entries_of_any_type(monkeypatch):
     assert dirs == [f"/from/{kind}/nvidia/cu13/lib" for kind in ("bytes", "path", "str")]
 
 
-def test_the_cli_without_cublas_prints_one_line_and_exits_2():
-    # The extension's loader fails as the dynamic loader does where the nvidia-cublas wheel is missing.
-    code = """
+# The start of a child script in which the extension's loader fails as the dynamic loader does
+# where the nvidia-cublas wheel is missing.
+_WITHOUT_CUBLAS = """
 import sys
 from importlib.machinery import ExtensionFileLoader
 real = ExtensionFileLoader.create_module
@@ -212,6 +212,11 @@ def create_module(self, spec):
         return real(self, spec)
     raise ImportError('libcublas.so.13: cannot open shared object file: No such file or directory', name=spec.name)
 ExtensionFileLoader.create_module = create_module
+"""
+
+
+def test_the_cli_without_cublas_prints_one_line_and_exits_2():
+    code = _WITHOUT_CUBLAS + """
 import inferctx.cli
 code = inferctx.cli.main(['plan', '--preset', 'llama-2-7b'])
 print('planned', inferctx.cli.main(['plan', '--preset', 'llama-2-7b', '--gpu', 'h200']), file=sys.stderr)
@@ -227,15 +232,8 @@ sys.exit(code)
 def test_without_cublas_planning_names_import_and_whole_package_listings_name_the_wheel():
     # README: without cuBLAS, planning names import by name; `import *`, help() and
     # inspect.getmembers touch the GPU names and raise CudaLibraryError, naming the wheel.
-    code = """
-import inspect, pydoc, sys
-from importlib.machinery import ExtensionFileLoader
-real = ExtensionFileLoader.create_module
-def create_module(self, spec):
-    if spec.name != 'inferctx._core':
-        return real(self, spec)
-    raise ImportError('libcublas.so.13: cannot open shared object file: No such file or directory', name=spec.name)
-ExtensionFileLoader.create_module = create_module
+    code = _WITHOUT_CUBLAS + """
+import inspect, pydoc
 import inferctx
 from inferctx import max_batch_size, plan_workspace
 print('planned', max_batch_size('llama-2-7b', max_out_tokens=4096, gpu='h100-80gb'))
