@@ -893,3 +893,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except (OSError, ValueError):
         _silence(sys.stdout)
     return code
+
+
+if __name__ == "__main__":  # python -m inferctx.cli, as python -m inferctx
+    sys.exit(main())

@@ -49,6 +49,16 @@ repeats) -> dict``
     stride_a, stride_b, stride_c, tf32), align_a, align_b, align_c, backend (0 cublasLt, 1 cublas,
     2 gemv), algo (list of ints: 8 for backend 0, none otherwise), time_ms. Import returns how many entries it took.
 ``_core._gemm_cache_clear() -> None``
+``_core._gemm_cache_keys(entries) -> list``
+    The algorithm cache's key of each entry (as _gemm_cache_import takes them), for merges.
+``_core._gemm_packed_alignments(batch, stride_a, stride_b, stride_c, itemsize) -> tuple``
+    The alignments the cache records for a packed problem's operands.
+``_core._check_ctx_stream(ctx, stream) -> int``
+    ConfigError for a ctx or stream= of the wrong type, before any device is read; the stream's
+    handle (0 for None), which ``_begin`` takes as ``handle``.
+``_core._dlpack_device_of(obj, dlpack_device, argument) -> (device_type, device_id)``,
+``_core._as_bool(value, argument)`` and ``_core.InferenceContext.instance(device)``
+    An operand's ``__dlpack_device__()`` checked, a flag argument, a device's context.
 """
 
 from __future__ import annotations

@@ -220,19 +220,29 @@ _PLAN_DOC_PARAMETERS = """
         ``gpu``, else 0 (free memory read or given after the weights are loaded).
     reserve_bytes, memory_limit_bytes, memory_fraction : optional
         Budget knobs of the exact policy: memory kept free (default 100 MiB up to 1 GiB free,
-        500 MiB from 1.39 GiB, a ramp between so that the budget never falls as free memory
-        grows), a cap in bytes, and a cap as a fraction of free memory (after the weights).
+        500 MiB from 1 GiB + 400 MiB, a ramp between so that the budget never falls as free
+        memory grows), a cap in bytes, and a cap as a fraction of free memory (after the weights).
     device : int, optional
         The device to read memory from (default: the current one).
+"""
 
-    Raises
-    ------
+# The Raises sections: plan_workspace refuses a request that does not fit; the two searches
+# answer 0 instead.
+_RAISES_COMMON = """
     ConfigError
         An invalid argument (the message and ``argument`` name it).
-    WorkspaceOOMError
-        The request does not fit; it carries the largest batch_size and max_out_tokens that would.
     NoCudaDeviceError
         Memory figures omitted and no GPU to read them from.
+"""
+_PLAN_DOC_RAISES = """
+    Raises
+    ------""" + _RAISES_COMMON + """    WorkspaceOOMError
+        The request does not fit; it carries the largest batch_size and max_out_tokens that would.
+"""
+_SEARCH_DOC_RAISES = """
+    Raises
+    ------""" + _RAISES_COMMON + """
+    Nothing that fits is no error: the answer is then 0 (never WorkspaceOOMError).
 """
 
 
@@ -303,7 +313,8 @@ def _mp_hint(shape: ModelShape, fields: dict[str, Any]) -> str | None:
             f"of weights on each GPU")
 
 
-plan_workspace.__doc__ = "Plans a workspace without allocating anything.\n" + _PLAN_DOC_PARAMETERS
+plan_workspace.__doc__ = ("Plans a workspace without allocating anything.\n" + _PLAN_DOC_PARAMETERS
+                          + _PLAN_DOC_RAISES)
 
 
 def max_batch_size(shape: ModelShape | str, *, max_out_tokens: int, prompt_len: int = 1,
@@ -325,7 +336,7 @@ def max_batch_size(shape: ModelShape | str, *, max_out_tokens: int, prompt_len: 
 max_batch_size.__doc__ = (
     "The largest batch_size whose plan holds every one of ``max_out_tokens`` tokens (0: none).\n\n"
     "    Takes plan_workspace's arguments, without batch_size (prompt_len defaults to 1).\n"
-    + _PLAN_DOC_PARAMETERS)
+    + _PLAN_DOC_PARAMETERS + _SEARCH_DOC_RAISES)
 
 
 def max_out_tokens_for(shape: ModelShape | str, *, batch_size: int, prompt_len: int = 1,
@@ -362,4 +373,4 @@ max_out_tokens_for.__doc__ = (
     "The most tokens a batch holds: the largest max_out_tokens whose plan holds all of them for\n"
     "    ``batch_size`` sequences (0: not even max(prompt_len, min_out_tokens)).\n\n"
     "    Takes plan_workspace's arguments, without max_out_tokens (prompt_len defaults to 1).\n"
-    + _PLAN_DOC_PARAMETERS)
+    + _PLAN_DOC_PARAMETERS + _SEARCH_DOC_RAISES)

@@ -638,6 +638,10 @@ def test_console_script_and_module_entry():
     assert r.returncode == 2 and r.stderr.startswith("inferctx: ") and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, "-m", "inferctx", "plan", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--weights-gb" in r.stdout and "1244 MiB" in r.stdout
+    # The module itself runs too (it printed nothing and exited 0 before).
+    r = subprocess.run([sys.executable, "-m", "inferctx.cli", "plan", "--preset", "mistral-7b", "--gpu", "l40s",
+                        "--batch", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("inferctx: ") and "Traceback" not in r.stderr
     # The console script: the installed distribution's `inferctx` entry point is cli.main.
     from importlib import metadata
 

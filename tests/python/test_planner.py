@@ -423,6 +423,20 @@ def test_memory_figures_are_documented_by_where_they_come_from():
             "read from ``device`` now, which needs a GPU.") in doc
 
 
+def test_the_searches_answer_0_where_nothing_fits_as_their_docstrings_say():
+    # max_batch_size / max_out_tokens_for answer 0 (no WorkspaceOOMError); only plan_workspace's
+    # docstring promises that error, and it raises it.
+    small = dict(free_bytes=1 << 30, total_bytes=1 << 30)
+    max_batch_size, max_out_tokens_for = inferctx.max_batch_size, inferctx.max_out_tokens_for
+    assert max_batch_size("llama-2-7b", max_out_tokens=4096, **small) == 0
+    assert max_out_tokens_for("llama-2-7b", batch_size=8, free_bytes=1 << 20, total_bytes=1 << 30) == 0
+    for search in (max_batch_size, max_out_tokens_for):
+        assert "WorkspaceOOMError\n" not in search.__doc__ and "(never WorkspaceOOMError)" in search.__doc__
+    assert "    WorkspaceOOMError\n        The request does not fit" in plan_workspace.__doc__
+    with pytest.raises(WorkspaceOOMError):
+        plan_workspace("llama-2-7b", batch_size=8, prompt_len=4096, max_out_tokens=4096, **small)
+
+
 def test_a_plan_keeps_the_shape_it_was_given():
     p = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, gpu="h200")
     assert p.shape == ModelShape.from_preset("llama-2-7b") and p.shape.num_params == 6_738_415_616
