@@ -22,6 +22,12 @@ L2 are rotated over several buffer sets (their inputs 3x L2 in all) so that ever
 that is not in L2. Host figures (``ctx.increment_offset(4)``, the capture query, one eager call)
 are medians of loops of Python calls.
 
+Before a size is timed, a replay of its first graph is checked (bench/_checks.py): every output is
+``x * mask / (1 - p)`` bit for bit under the mask the replay wrote (outputs filled with NaN and
+masks with all-ones first), and a second replay draws other masks; a wrong result stops the run
+with exit status 1. A size whose rotation needs more than 4096 buffer sets (graphs of one call
+below 64 KiB) is skipped, saying so.
+
     python bench/graph_dropout.py [--p 0.1] [--sizes-kib 64 1024 16384 262144]
                                   [--dtypes float16 float32] [--calls 1 32] [--json results.json]
 """
@@ -36,6 +42,7 @@ import sys
 import time
 
 from _cli import at_least, drop_probability, json_path  # bench/, the script's folder
+from _checks import dropout_mismatch, keep_from_bits
 from _host_timing import host_us_interleaved
 
 KIB = 1 << 10
@@ -130,6 +137,12 @@ def default_iters(nbytes: int) -> int:
     return 10
 
 
+# The most buffer sets a size may need: each is one capture of ours and one of torch's, and each
+# of torch's captures holds a segment of its own private pool (2 MiB or more), so tens of
+# thousands (4 KiB, N=1: about 38,000) would fill the device before any timing.
+MAX_SETS = 4096
+
+
 def buffer_sets(torch, nbytes: int, dtype, calls: int) -> int:
     """Buffer sets to rotate so that a graph's inputs are not in L2 when it replays: the inputs of
     all sets together 3x L2 (each set is a graph of its own; the small sizes need hundreds)."""
@@ -213,6 +226,10 @@ def main(argv=None) -> int:
                 if calls > 1 and nbytes * calls > args.max_step_mib << 20:
                     continue
                 sets = buffer_sets(torch, nbytes, dt, calls)
+                if sets > MAX_SETS:  # each set is two captures; torch's hold a pool segment each
+                    print(f"# {dname} {kib} KiB N={calls}: rotating 3x L2 needs {sets} graph sets "
+                          f"(more than {MAX_SETS}); skipped", file=sys.stderr)
+                    continue
                 # Every set once at least: the calls timed cover more than 3x L2.
                 iters = max(args.iters or default_iters(nbytes * calls), sets)
                 bufs = []
@@ -235,6 +252,25 @@ def main(argv=None) -> int:
 
                 ours_graphs = [capture(torch, lambda b=b: ours(b)) for b in bufs]
                 torch_graphs = [capture(torch, lambda b=b: theirs(b)) for b in bufs]
+                # What is timed, checked first (bench/_checks.py): a replay of the first set's graph
+                # writes each y and mask (filled with NaN and all-ones before) as the eager call
+                # does, and a second replay draws other masks.
+                xs0, ys0, ms0 = bufs[0]
+                for y, m in zip(ys0, ms0):
+                    y.fill_(float("nan"))
+                    m.fill_(-1)
+                ours_graphs[0].replay()
+                first = [m.clone() for m in ms0]
+                for x, y, m in zip(xs0, ys0, ms0):
+                    bad = dropout_mismatch(torch, x, y, keep_from_bits(torch, m, n), args.p)
+                    if bad:
+                        sys.exit(f"graph_dropout.py: {dname} {kib} KiB N={calls}, a replay: {bad}; "
+                                 f"nothing is timed")
+                ours_graphs[0].replay()
+                if any(torch.equal(before, m) for before, m in zip(first, ms0)):
+                    sys.exit(f"graph_dropout.py: {dname} {kib} KiB N={calls}: two replays drew the "
+                             f"same mask; nothing is timed")
+                del xs0, ys0, ms0, first
                 # Eager torch's results of the last `sets` steps are kept, so that its writes rotate
                 # over as many outputs and masks as ours do (a step's results dropped at once give
                 # their blocks to the next step, which would rewrite lines still in L2).

@@ -13,8 +13,8 @@ Measured in one run on one device (medians of wall-clock times per call, after a
   and not in the median.
 
 Between the two parts the free memory reported by cudaMemGetInfo is checked to rise by the
-workspace's bytes at a release and fall by them at a retake, and the kept contents are checked
-at both ends of the workspace. The keep_contents size defaults to the smaller of --gib and 40 %
+workspace's bytes at a release and fall by them at a retake (within 64 MiB), and the kept
+contents are checked at both ends of the workspace; a failed check makes the exit status 1. The keep_contents size defaults to the smaller of --gib and 40 %
 of the host's memory (the pinned copy and the baseline's pinned buffer are never held at once).
 
     python bench/release.py [--device 0] [--gib 104] [--keep-gib N] [--repeat 7] [--json out.json]
@@ -156,6 +156,9 @@ def bench_release(ctx, core, cupy, repeat, gib):
         fell.append(released - free_bytes(core, ctx.device))
     checks["free rise at release, min GiB"] = min(rose) / GIB
     checks["free fall at retake, min GiB"] = min(fell) / GIB
+    # A release that freed nothing (or a retake that took nothing) would be timed as a fast one:
+    # each must move the free memory by the workspace's bytes, less 64 MiB for the driver's own.
+    checks["free memory moved by the workspace at every cycle"] = min(min(rose), min(fell)) >= held - (64 << 20)
     ctx.release_workspace()  # the baseline needs the memory
 
     base_free, base_malloc = [], []
@@ -291,7 +294,8 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({**meta, "rows": [r.as_dict() for r in rows]}, f, indent=2)
     contents_ok = checks.get("contents kept (first cycle)") and checks.get("contents kept (every cycle)")
-    return 0 if contents_ok and all(r.passed is not False for r in rows) else 1
+    memory_ok = checks.get("free memory moved by the workspace at every cycle", True)  # absent: not run
+    return 0 if contents_ok and memory_ok and all(r.passed is not False for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -73,3 +73,41 @@ def test_ratio_quartiles_by_hand(timing):
         timing.ratio_spread([1.0], [1.0])
     with pytest.raises(ValueError):
         timing.ratio_spread([1.0, 2.0], [1.0])
+
+
+@pytest.fixture
+def checks():
+    spec = importlib.util.spec_from_file_location("_checks_under_test", BENCH / "_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bit_masks_are_read_bit_i_mod_32_of_word_i_div_32(checks):
+    torch = pytest.importorskip("torch")
+    # word 0: bits 0 and 31 (a negative int32), word 1: bit 2; 40 elements read.
+    words = torch.tensor([1 | (1 << 31) - (1 << 32), 1 << 2], dtype=torch.int32)
+    keep = checks.keep_from_bits(torch, words, 40)
+    assert keep.tolist() == [i in (0, 31, 34) for i in range(40)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_dropout_check_takes_the_right_result_and_names_the_wrong_ones(checks, dtype):
+    torch = pytest.importorskip("torch")
+    p = 0.1
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1 << 16, generator=g).to(getattr(torch, dtype))
+    keep = torch.rand(1 << 16, generator=g) >= p
+    right = torch.where(keep, x * (1.0 / (1.0 - p)), torch.zeros((), dtype=x.dtype))
+    assert checks.dropout_mismatch(torch, x, right, keep, p) is None
+    # a prefix: the first elements of longer arrays
+    assert checks.dropout_mismatch(torch, torch.cat([x, x]), torch.cat([right, x]), keep, p) is None
+    unwritten = right.clone()
+    unwritten[-5:] = float("nan")
+    assert checks.dropout_mismatch(torch, x, unwritten, keep, p).startswith("5 of 65536 elements differ")
+    scaled_in_low_precision = torch.where(keep, x * torch.tensor(1.0 / (1.0 - p), dtype=x.dtype), 0)
+    if not torch.equal(scaled_in_low_precision, right):  # the scale rounded to the dtype first
+        assert "differ" in checks.dropout_mismatch(torch, x, scaled_in_low_precision, keep, p)
+    everything = torch.ones_like(keep)  # an all-ones (poisoned, unwritten) mask
+    assert "keeps 1.0000 of the elements, not about 0.9000" in checks.dropout_mismatch(
+        torch, x, x * (1.0 / (1.0 - p)), everything, p)
