@@ -243,8 +243,8 @@ def main(argv=None) -> int:
             # with NaN (and the masks with all-ones) before the call.
             count = min(n, 1 << 24)
 
-            def check(what, y, keep):
-                bad = dropout_mismatch(torch, xs[0], y, keep, args.p)
+            def check(what, y, kept):
+                bad = dropout_mismatch(torch, xs[0], y, kept, args.p)
                 if bad:
                     sys.exit(f"dropout.py: {dname} {mib} MiB, {what}: {bad}; nothing is timed")
 
@@ -256,16 +256,16 @@ def main(argv=None) -> int:
                 if mode is not None:
                     masks[mode][0].fill_(-1 if mode == "bits" else 255)
                 ours(mode)(0)
-                keep = (keep_from_bits(torch, masks[mode][0], count) if mode == "bits"
+                kept = (keep_from_bits(torch, masks[mode][0], count) if mode == "bits"
                         else masks[mode][0][:count].bool() if mode == "bytes"
                         else ys[0][:count] != 0)  # no mask: the kept are the nonzero
-                check(f"mask={mode!r}", ys[0], keep)
+                check(f"mask={mode!r}", ys[0], kept)
             for mode in ("bits", "bytes"):  # the masks the checks above wrote
                 ys[0].fill_(float("nan"))
                 ours_backward(mode)(0)
-                keep = (keep_from_bits(torch, masks[mode][0], count) if mode == "bits"
+                kept = (keep_from_bits(torch, masks[mode][0], count) if mode == "bits"
                         else masks[mode][0][:count].bool())
-                check(f"apply_mask, mask={mode!r}", ys[0], keep)
+                check(f"apply_mask, mask={mode!r}", ys[0], kept)
             torch.cuda.synchronize()
 
             variants = [
