@@ -13,9 +13,10 @@ For fp16, bf16 and fp32 inputs of 16 MiB, 64 MiB, 256 MiB and 2 GiB (by default)
   ``aten.native_dropout_backward`` with a bool mask (what autograd runs for F.dropout).
 
 Before anything of a size is timed, its results are checked on one buffer set (bench/_checks.py):
-the plain call, each mask format and apply_mask give ``x * mask / (1 - p)`` bit for bit on a
-prefix of at most 2**24 elements, their outputs filled with NaN first, and the masks keep about
-1 - p of the elements; a wrong result stops the run with exit status 1.
+the plain call, each mask format and apply_mask give ``x * mask / (1 - p)`` bit for bit on the
+first and the last (at most) 2**24 elements, their outputs filled with NaN first and left with no
+NaN anywhere, and the masks keep about 1 - p of the elements; a wrong result stops the run with
+exit status 1.
 
 Every call runs on torch's current stream and is timed alone between CUDA events, after warm-up;
 the figure is the median. The stream is first held by a sleep kernel long enough for the whole
@@ -220,14 +221,9 @@ def main(argv=None) -> int:
 
             scale = 1.0 / (1.0 - args.p)
 
-            backward_out = getattr(torch.ops.aten.native_dropout_backward, "out", None)
-
-            def torch_backward(i):  # into ys[k], as ours (a torch without the out= overload allocates)
+            def torch_backward(i):  # what autograd runs (its out= overload is a copy on top of it)
                 k = i % sets
-                if backward_out is None:
-                    return torch.ops.aten.native_dropout_backward(xs[k], masks["bytes"][k].view(torch.bool),
-                                                                  scale)
-                return backward_out(xs[k], masks["bytes"][k].view(torch.bool), scale, out=ys[k])
+                return torch.ops.aten.native_dropout_backward(xs[k], masks["bytes"][k].view(torch.bool), scale)
 
             def ours_backward(mode):
                 def call(i):
@@ -238,34 +234,43 @@ def main(argv=None) -> int:
             def copy(i):
                 return ys[i % sets].copy_(xs[i % sets])
 
-            # What is timed below, checked first on the first set (a prefix of at most 2**24
-            # elements): the plain call, each mask format and the backward, their outputs filled
-            # with NaN (and the masks with all-ones) before the call.
+            # What is timed below, checked first on the first set: the plain call, each mask
+            # format and the backward, their outputs filled with NaN (and the masks with
+            # all-ones) before the call. Values are compared on the first and the last (at most)
+            # 2**24 elements; the whole output is looked at for a NaN left unwritten.
             count = min(n, 1 << 24)
+            tail = (n - count) // 32 * 32  # where the last span starts: a whole mask word
 
-            def check(what, y, kept):
-                bad = dropout_mismatch(torch, xs[0], y, kept, args.p)
-                if bad:
-                    sys.exit(f"dropout.py: {dname} {mib} MiB, {what}: {bad}; nothing is timed")
+            def check(what, y, mask, mode):
+                if bool(torch.isnan(y).any()):
+                    sys.exit(f"dropout.py: {dname} {mib} MiB, {what}: an element of y was left unwritten "
+                             f"(NaN); nothing is timed")
+                bad = None
+                for start in (0, tail):
+                    length = count if start == 0 else n - start
+                    kept = (keep_from_bits(torch, mask[start // 32:], length) if mode == "bits"
+                            else mask[start:start + length].bool() if mode == "bytes"
+                            else y[start:start + length] != 0)  # no mask: the kept are the nonzero
+                    bad = bad or dropout_mismatch(torch, xs[0][start:], y[start:], kept, args.p)
+                    if bad is None and mode == "bytes" and int(mask[start:start + length].max()) > 1:
+                        bad = "a byte of the mask is neither 0 nor 1"
+                    if bad:
+                        sys.exit(f"dropout.py: {dname} {mib} MiB, {what}, elements from {start}: {bad}; "
+                                 f"nothing is timed")
 
             y, m = plain(0)
-            check("the plain call", y, keep_from_bits(torch, m, count))
+            check("the plain call", y, m, "bits")
             del y, m
             for mode in ("bits", "bytes", None):
                 ys[0].fill_(float("nan"))
                 if mode is not None:
                     masks[mode][0].fill_(-1 if mode == "bits" else 255)
                 ours(mode)(0)
-                kept = (keep_from_bits(torch, masks[mode][0], count) if mode == "bits"
-                        else masks[mode][0][:count].bool() if mode == "bytes"
-                        else ys[0][:count] != 0)  # no mask: the kept are the nonzero
-                check(f"mask={mode!r}", ys[0], kept)
+                check(f"mask={mode!r}", ys[0], masks[mode][0], mode)
             for mode in ("bits", "bytes"):  # the masks the checks above wrote
                 ys[0].fill_(float("nan"))
                 ours_backward(mode)(0)
-                kept = (keep_from_bits(torch, masks[mode][0], count) if mode == "bits"
-                        else masks[mode][0][:count].bool())
-                check(f"apply_mask, mask={mode!r}", ys[0], kept)
+                check(f"apply_mask, mask={mode!r}", ys[0], masks[mode][0], mode)
             torch.cuda.synchronize()
 
             variants = [
@@ -276,8 +281,8 @@ def main(argv=None) -> int:
                 ("ours bytes", ours("bytes"), 2 * nbytes + n),
                 ("ours none", ours(None), 2 * nbytes),
                 # The backward, informational (no targets): torch's own dropout backward with a
-                # bool mask against apply_mask with each mask format, all into preallocated out
-                # (where this torch has native_dropout_backward.out).
+                # bool mask (a new result, as autograd runs it) against apply_mask with each mask
+                # format into a preallocated out.
                 ("torch bwd", torch_backward, 2 * nbytes + n),
                 ("ours bwd bits", ours_backward("bits"), 2 * nbytes + words_bytes),
                 ("ours bwd bytes", ours_backward("bytes"), 2 * nbytes + n),

@@ -26,7 +26,7 @@ Before a size is timed, a replay of its first graph is checked (bench/_checks.py
 ``x * mask / (1 - p)`` bit for bit under the mask the replay wrote (outputs filled with NaN and
 masks with all-ones first), and a second replay draws other masks; a wrong result stops the run
 with exit status 1. A size whose rotation needs more than 4096 buffer sets (graphs of one call
-below 64 KiB) is skipped, saying so.
+of a few tens of KiB, by the device's L2) is skipped, saying so.
 
     python bench/graph_dropout.py [--p 0.1] [--sizes-kib 64 1024 16384 262144]
                                   [--dtypes float16 float32] [--calls 1 32] [--json results.json]
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
                 if any(torch.equal(before, m) for before, m in zip(first, ms0)):
                     sys.exit(f"graph_dropout.py: {dname} {kib} KiB N={calls}: two replays drew the "
                              f"same mask; nothing is timed")
-                del xs0, ys0, ms0, first
+                del xs0, ys0, ms0, first, x, y, m
                 # Eager torch's results of the last `sets` steps are kept, so that its writes rotate
                 # over as many outputs and masks as ours do (a step's results dropped at once give
                 # their blocks to the next step, which would rewrite lines still in L2).
