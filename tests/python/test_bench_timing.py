@@ -111,3 +111,16 @@ def test_the_dropout_check_takes_the_right_result_and_names_the_wrong_ones(check
     everything = torch.ones_like(keep)  # an all-ones (poisoned, unwritten) mask
     assert "keeps 1.0000 of the elements, not about 0.9000" in checks.dropout_mismatch(
         torch, x, x * (1.0 / (1.0 - p)), everything, p)
+
+
+def test_an_all_kept_mask_fails_the_density_check_for_small_p_too(checks):
+    torch = pytest.importorskip("torch")
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(5))
+    everything = torch.ones(1 << 20, dtype=torch.bool)
+    for p in (0.001, 0.0001):
+        assert "keeps 1.0000" in checks.dropout_mismatch(torch, x, x * (1.0 / (1.0 - p)), everything, p)
+    # a right mask of a small count and a tiny p passes: a single drop is within the slack
+    keep = torch.ones(1024, dtype=torch.bool)
+    keep[7] = False
+    y = torch.where(keep, x[:1024] * (1.0 / (1.0 - 1e-6)), torch.zeros(()))
+    assert checks.dropout_mismatch(torch, x[:1024], y, keep, 1e-6) is None
