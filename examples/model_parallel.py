@@ -38,9 +38,12 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 before torch is im
     python examples/model_parallel.py --world-size 1          # one GPU: the same streams and
                                                               # order, an all-reduce of one rank
 
-Options: --world-size, --steps, --dtype, --json (one JSON document on stdout), and the
-shape: --batch, --seq, --heads, --head-dim, --out-features. Exit status 0 when every rank
-matches the reference and the stream order holds, 1 otherwise, 2 for a usage error.
+Options: --world-size, --steps, --dtype, --seed, --spawn (spawn a process even for one rank),
+--json (one JSON document on stdout), and the shape: --batch, --seq, --heads, --head-dim,
+--out-features. Exit status 0 when every rank matches the reference and the stream order holds,
+1 otherwise, 2 for a usage error (flags, torchrun's variables, no GPU or no NCCL), 3 when a rank
+could not run (out of memory, a workspace that does not fit, a process group that cannot start);
+each error is one line on stderr. NCCL is the only backend.
 """
 
 from __future__ import annotations
@@ -309,7 +312,7 @@ def _rank_body(rank, world, args, device, torch, dist, inferctx) -> dict:
                 ref = x.float() @ wf
                 err = (y.float() - ref).abs()
                 excess = (err - (atol + rtol * ref.abs())).max().item()
-                max_err = max(max_err, err.max().item())
+                max_err = max(max_err, torch.nan_to_num(err, nan=math.inf).max().item())  # NaN: inf
                 ok = ok and excess <= 0
             torch.cuda.synchronize(device)
         finally:
@@ -370,8 +373,9 @@ def _summary(doc: dict) -> str:
             f"steps, {r['overlap_total_ms']:.3f} of {r['allreduce_total_ms']:.3f} ms all-reduce; "
             f"total {r['total_ms']:.3f} ms",
         ]
+    one_step = all(not r["overlap_ms"] for r in ranks)  # no step t+1 to overlap with
     lines.append(f"overall: {'OK' if doc['ok'] else 'FAILED'}"
-                 + ("" if doc["overlap_observed"] or doc["world_size"] == 1 else
+                 + ("" if doc["overlap_observed"] or doc["world_size"] == 1 or one_step else
                     " (no overlap observed)"))
     return "\n".join(lines)
 
@@ -394,33 +398,54 @@ def _emit(doc: dict, as_json: bool) -> int:
     return 0 if doc["ok"] else 1
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import torch
+class _Usage(Exception):
+    """A usage error: one line on stderr, exit status 2."""
 
+
+def _env_int(name: str, minimum: int) -> int:
+    text = os.environ[name]
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise _Usage(f"torchrun's {name}={text!r} is not an integer >= {minimum}")
+    return value
+
+
+def _setup(args: argparse.Namespace, torch) -> tuple:
+    """(torchrun, world, rank, local_rank) after the checks that need no process group."""
     torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if torchrun:
-        world = int(os.environ["WORLD_SIZE"])
-        if args.world_size not in (None, world):
-            print(f"--world-size {args.world_size} differs from torchrun's WORLD_SIZE={world}",
-                  file=sys.stderr)
-            return 2
-    else:
-        world = args.world_size or torch.cuda.device_count()
     available = torch.cuda.device_count()
     if available == 0:
-        print("no CUDA device visible: this example needs at least one GPU", file=sys.stderr)
-        return 2
-    if not torchrun and world > available:
-        print(f"--world-size {world} needs {world} GPU(s); {available} visible", file=sys.stderr)
-        return 2
-    if args.heads % world:
-        print(f"--heads {args.heads} is not divisible by the world size {world}", file=sys.stderr)
-        return 2
+        raise _Usage("no CUDA device visible: this example needs at least one GPU")
+    import torch.distributed as dist
 
+    if not dist.is_available() or not dist.is_nccl_available():
+        raise _Usage("this torch has no NCCL (torch.distributed.is_nccl_available() is False); the "
+                     "example runs its all-reduce over NCCL only")
     if torchrun:
-        rank = int(os.environ["RANK"])
-        out = run_rank(rank, world, args, "env://", device=int(os.environ["LOCAL_RANK"]))
+        world, rank, local = (_env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0))
+        if args.world_size not in (None, world):
+            raise _Usage(f"--world-size {args.world_size} differs from torchrun's WORLD_SIZE={world}")
+        if rank >= world:
+            raise _Usage(f"torchrun's RANK={rank} is not below its WORLD_SIZE={world}")
+        if local >= available:
+            raise _Usage(f"torchrun's LOCAL_RANK={local} needs {local + 1} GPU(s); {available} visible")
+    else:
+        world, rank, local = args.world_size or available, 0, 0
+        if world > available:
+            raise _Usage(f"--world-size {world} needs {world} GPU(s); {available} visible")
+    if args.heads % world:
+        whence = ("torchrun's WORLD_SIZE" if torchrun else "--world-size" if args.world_size
+                  else "every visible GPU, the default; pass --world-size")
+        raise _Usage(f"--heads {args.heads} is not divisible by the world size {world} ({whence})")
+    return torchrun, world, rank, local
+
+
+def _run(args: argparse.Namespace, torchrun: bool, world: int, rank: int, local: int) -> int:
+    if torchrun:
+        out = run_rank(rank, world, args, "env://", device=local)
         doc = _document(world, out["ranks"])
         if rank != 0:
             return 0 if doc["ok"] else 1
@@ -439,6 +464,40 @@ def main(argv=None) -> int:
         with open(report_path) as f:
             ranks = json.load(f)
     return _emit(_document(world, ranks), args.json)
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"this example needs torch (with CUDA and NCCL): {exc}", file=sys.stderr)
+        return 2
+    try:
+        torchrun, world, rank, local = _setup(args, torch)
+    except _Usage as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    import torch.multiprocessing as mp
+
+    import inferctx
+
+    try:
+        return _run(args, torchrun, world, rank, local)
+    except (inferctx.InferCtxError, RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError too
+        # A rank that could not run: out of memory, a workspace that does not fit, a process
+        # group that cannot start (torchrun without MASTER_ADDR, a port taken).
+        print(f"rank {rank}: {type(exc).__name__}: {_last_line(str(exc))}", file=sys.stderr)
+        return 3
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        # A spawned rank failed; its traceback is in the message: its last line says what.
+        print(f"a spawned rank failed: {_last_line(str(exc))}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

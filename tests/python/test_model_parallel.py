@@ -181,6 +181,87 @@ def test_example_analysis_of_a_timeline():
     assert a["ordered"] and a["overlap_ms"] == [0.0] and not a["overlap_observed"]
 
 
+@pytest.mark.parametrize("env, argv, words", [
+    ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0"}, [], "torchrun's WORLD_SIZE='0' is not an integer >= 1"),
+    ({"RANK": "0", "WORLD_SIZE": "x", "LOCAL_RANK": "0"}, [], "torchrun's WORLD_SIZE='x' is not an integer >= 1"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, [], "torchrun's RANK=2 is not below its WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "3"}, [], "torchrun's LOCAL_RANK=3 needs 4 GPU(s); 2 visible"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, ["--world-size", "1"],
+     "--world-size 1 differs from torchrun's WORLD_SIZE=2"),
+    ({}, ["--world-size", "3"], "--world-size 3 needs 3 GPU(s); 2 visible"),
+    ({}, ["--heads", "3"], "--heads 3 is not divisible by the world size 2 (every visible GPU, the default; "
+                           "pass --world-size)"),
+    ({}, ["--nccl-missing"], "this torch has no NCCL"),
+])
+def test_example_usage_errors_are_one_line_and_exit_2(monkeypatch, capsys, env, argv, words):
+    # On the CPU, with two GPUs and NCCL made to appear: every check before a process group starts.
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    mp = _example_module()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    nccl = "--nccl-missing" not in argv
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+    monkeypatch.setattr(mp, "_run", lambda *a: pytest.fail("ran past the checks"))
+    assert mp.main([a for a in argv if a != "--nccl-missing"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(words) and err.count("\n") == 1 and err.endswith("\n"), err
+
+
+@pytest.mark.parametrize("raised, words", [
+    ("oom", "rank 0: WorkspaceOOMError: the workspace does not fit"),
+    ("runtime", "rank 0: RuntimeError: MASTER_ADDR expected"),
+    ("spawned", "a spawned rank failed: torch.OutOfMemoryError: CUDA out of memory"),
+])
+def test_example_a_rank_that_cannot_run_is_one_line_and_exit_3(monkeypatch, capsys, raised, words):
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    import torch.multiprocessing
+
+    import inferctx
+
+    mp = _example_module()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    errors = {
+        "oom": inferctx.WorkspaceOOMError("the workspace does not fit"),
+        "runtime": RuntimeError("Error initializing torch.distributed\nMASTER_ADDR expected"),
+        "spawned": torch.multiprocessing.ProcessRaisedException(
+            "\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"
+            "  File \"x.py\", line 1\ntorch.OutOfMemoryError: CUDA out of memory\n", 1, 1234),
+    }
+
+    def run(*args):
+        raise errors[raised]
+
+    monkeypatch.setattr(mp, "_run", run)
+    assert mp.main(["--world-size", "1"]) == 3
+    assert capsys.readouterr().err == words + "\n"
+
+
+def test_example_summary_of_one_step_does_not_ask_for_overlap():
+    mp = _example_module()
+    rank = {"rank": 0, "world_size": 2, "device": 0, "gpu": "GPU", "shard": [0, 32], "dtype": "bfloat16",
+            "tokens": 8, "in_features": 64, "out_features": 64,
+            "plan": {"heads_per_rank": 1, "kv_heads_per_rank": 1, "mp_size": 2, "rank": 0, "max_tokens": 8,
+                     "workspace_bytes": 1},
+            "timeline": [{"step": 0, "compute": [0.0, 1.0], "allreduce": [1.0, 2.0], "use": [2.0, 2.1]}],
+            "overlap_ms": [], "overlap_steps": 0, "overlap_total_ms": 0.0, "allreduce_total_ms": 1.0,
+            "total_ms": 2.1, "max_abs_err": 0.0, "atol": 0.03, "rtol": 0.02, "matches_reference": True,
+            "ordered": True, "violations": [], "overlap_observed": False}
+    doc = {"world_size": 2, "ok": True, "overlap_observed": False, "ranks": [rank, dict(rank, rank=1)]}
+    last = mp._summary(doc).splitlines()[-1]
+    assert last == "overall: OK"
+
+
 # ---------------------------------------------------------------------------------------
 # The example on GPUs (a subprocess: NCCL and its process group stay out of this process)
 
