@@ -134,6 +134,7 @@ if [ "$1 $2" = "-m pytest" ]; then
   case "${PYTEST:-pass}" in
     pass) echo "3 passed in 0.10s" ;;
     fail) echo "1 failed, 2 passed in 0.10s"; exit 1 ;;
+    warning) echo "1 warning in 0.59s"; exit 5 ;;
     killed) kill -KILL $$ ;;
   esac
   exit 0
@@ -156,7 +157,11 @@ done
 """,
     "ctest": r"""
 printf 'ctest %s | SANITIZE=%s LSAN_OPTIONS=%s\n' "$*" "${INFERCTX_SANITIZE:-}" "${LSAN_OPTIONS:-}" >>"$CALLS"
-[ "${CTEST_RC:-0}" = 0 ] && { echo "100% tests passed out of 3"; exit 0; }
+if [ "${CTEST_RC:-0}" = 0 ]; then
+  echo "100% tests passed out of 3"
+  [ -z "${CTEST_SKIPPED:-}" ] || printf 'The following tests did not run:\n\t  3 - test_context (Skipped)\n'
+  exit 0
+fi
 echo "15 cases, 2 failed checks"; echo "67% tests passed, 1 tests failed out of 3"; exit 8
 """,
     "compute-sanitizer": r"""
@@ -185,7 +190,8 @@ def stand_ins(tmp_path):
     *ARGS, **ENV) and the folders."""
     repo = tmp_path / "a repo"
     shutil.copytree(TOP / "tools", repo / "tools")
-    for f in ("CMakeLists.txt", "pyproject.toml", "cuda/k.cu", "pyx/m.pyx", "python/inferctx/__init__.py",
+    for f in ("CMakeLists.txt", "pyproject.toml", "cmake/libs.cmake", "cuda/k.cu", "pyx/m.pyx",
+              "python/inferctx/__init__.py", "third_party/dlpack/include/dlpack.h",
               "bench/fast.py", "bench/other.py", "bench/_helper.py"):
         (repo / f).parent.mkdir(parents=True, exist_ok=True)
         (repo / f).write_text("# " + f + "\n")
@@ -420,3 +426,63 @@ def test_any_machine_the_script_name_check_finds_a_name_defined_only_in_the_test
     assert _undefined_globals("def f():\n    return _LONG\nf()\n") == ["_LONG"]
     assert _undefined_globals("_LONG = 1\ndef f():\n    return _LONG + len([])\nf()\n") == []
     assert _undefined_globals("def f():\n    global g\n    g = 1\nf()\nprint(g)\n") == []
+
+
+@needs_bash
+def test_any_machine_the_tool_scripts_refuse_what_would_run_nothing(stand_ins):
+    bogus = stand_ins("gpu-suite", "bogus")
+    assert bogus.returncode == 2 and not stand_ins.out.exists()  # refused before making $OUT
+    for step, extra, words in [
+            ("sanitize", {"SANITIZE_TESTS": " "}, "sanitize: SANITIZE_TESTS names nothing to run"),
+            ("fuzz", {"FUZZ_SUITES": " "}, "fuzz: FUZZ_SUITES names nothing to run"),
+            ("pysanitize", {"PYSANITIZE_TOOLS": " "}, "pysanitize: PYSANITIZE_TOOLS or PYSANITIZE_TESTS names nothing")]:
+        done = stand_ins("gpu-suite", step, **extra)
+        assert done.returncode == 1 and words in done.summary, (step, done.summary)
+    none = stand_ins("bench-run")
+    assert none.returncode == 2 and "usage: tools/bench-run NAME" in none.stderr
+    typo = stand_ins("bench-run", "other", "fsat")
+    assert typo.returncode == 2 and "no benchmark bench/fsat.py" in typo.stderr
+    assert "-m pip" not in typo.calls and "bench/other.py" not in typo.calls
+
+
+@needs_bash
+def test_any_machine_bench_run_keeps_no_earlier_lines_after_a_failed_build(stand_ins):
+    assert stand_ins("bench-run", "other").returncode == 0
+    summary = stand_ins.out / "bench-summary.txt"
+    assert summary.read_text().startswith("=== other rc=0")
+    (stand_ins.repo / "cuda" / "k.cu").write_text("// changed\n")
+    failed = stand_ins("bench-run", "other", PIP_RC="1")
+    assert failed.returncode == 1 and summary.read_text() == ""
+    assert not (stand_ins.out / "bench-json.tgz").exists()
+
+
+@needs_bash
+def test_any_machine_the_source_stamp_covers_cmake_and_third_party(stand_ins):
+    def stamp():
+        return subprocess.run(["bash", str(stand_ins.repo / "tools" / "source-stamp")], capture_output=True,
+                              text=True, check=True).stdout
+
+    before = stamp()
+    for f in ("cmake/libs.cmake", "third_party/dlpack/include/dlpack.h"):
+        (stand_ins.repo / f).write_text("# changed\n")
+        after = stamp()
+        assert after != before, f
+        before = after
+
+
+@needs_bash
+def test_any_machine_ctest_skips_are_counted_beside_its_line(stand_ins):
+    done = stand_ins("gpu-suite", "tests", CTEST_SKIPPED="1")
+    assert done.returncode == 0
+    lines = done.summary.splitlines()
+    i = lines.index("100% tests passed out of 3")
+    assert lines[i + 1] == "ctest: 1 of them skipped (tests.log names them)"
+    assert "skipped" not in stand_ins("gpu-suite", "tests").summary
+
+
+@needs_bash
+def test_any_machine_pytests_closing_line_of_warnings_alone_is_read(stand_ins):
+    # pytest ends a run that ran no test but warned with "1 warning in ..."; its absence from the
+    # summary would read as a pytest that died.
+    done = stand_ins("gpu-suite", "tests", PYTEST="warning")
+    assert done.summary.splitlines()[-1] == "1 warning in 0.59s"
