@@ -130,6 +130,7 @@ if [ "$1 $2" = "-m pip" ]; then
   mkdir -p "$target/inferctx"; echo "Successfully installed inferctx-0.1.0"; exit 0
 fi
 if [ "$1 $2" = "-m pytest" ]; then
+  for a in "$@"; do printf '  arg<%s>\n' "$a" >>"$CALLS"; done  # each argument as pytest gets it
   echo "...."
   case "${PYTEST:-pass}" in
     pass) echo "3 passed in 0.10s" ;;
@@ -171,6 +172,8 @@ while [ $# -gt 0 ]; do case "$1" in
   --error-exitcode|--require-cuda-init|--kernel-name|--kernel-name-exclude|--report-api-errors) shift 2 ;;
   *) break ;; esac; done
 "$@"; rc=$?
+case " ${SAN_KILL_WRAPPER:-} " in *" $tool:$(basename "$1") "*)  # the bash around timeout around this
+  kill -KILL "$(ps -o ppid= -p "$PPID" | tr -d ' ')"; exit 1 ;; esac
 case " ${SAN_KILL:-} " in *" $tool:$(basename "$1") "*|*" $tool "*)
   echo "========= Error: process didn't terminate successfully"; echo "========= ERROR SUMMARY: 0 errors"; exit 0 ;; esac
 case " ${SAN_FAIL:-} " in *" $tool:$(basename "$1") "*)
@@ -486,3 +489,21 @@ def test_any_machine_pytests_closing_line_of_warnings_alone_is_read(stand_ins):
     # summary would read as a pytest that died.
     done = stand_ins("gpu-suite", "tests", PYTEST="warning")
     assert done.summary.splitlines()[-1] == "1 warning in 0.59s"
+
+
+@needs_bash
+def test_any_machine_pysanitize_keeps_a_k_expression_whole(stand_ins):
+    done = stand_ins("gpu-suite", "pysanitize", PYSANITIZE_TOOLS="memcheck",
+                     PYSANITIZE_TESTS="tests/python/test_gemm.py -k autotune and not slow")
+    assert done.returncode == 0, done.summary
+    args = [line[len("  arg<"):-1] for line in done.calls.splitlines() if line.startswith("  arg<")]
+    assert args[-3:] == ["tests/python/test_gemm.py", "-k", "autotune and not slow"], args
+
+
+@needs_bash
+def test_any_machine_a_sanitize_run_killed_with_its_wrapper_fails_the_step(stand_ins):
+    # The wrapper of one parallel run killed: xargs stops starting the queued ones, which print no
+    # status line; the step counts the lines it got against the runs it queued.
+    done = stand_ins("gpu-suite", "sanitize", EXES="test_plan test_fp16", SAN_KILL_WRAPPER="memcheck:test_plan")
+    assert done.returncode == 1, done.summary
+    assert re.search(r"^sanitize: \d of 8 runs ended with a status line$", done.summary, re.M), done.summary
