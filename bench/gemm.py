@@ -137,6 +137,18 @@ class Timer:
         torch.cuda.synchronize()
         estimate = max(min(self.one(fn) for _ in range(3)) for fn in fns)
         runs = int(min(200, max(5, math.ceil(1.0 / max(estimate, 1e-3)))))
+        # The spin before each block must outlast the host's queueing of the block, or the GPU
+        # catches up with the host and the block times the host: 1.5x the slowest function's
+        # host time per call (at least 20 us; hosts have taken 12-25 us per call).
+        host_us = 0.0
+        for fn in fns:
+            self.spin(2000.0)
+            t0 = time.perf_counter()
+            for i in range(10):
+                fn(i % sets)
+            host_us = max(host_us, (time.perf_counter() - t0) / 10 * 1e6)
+        torch.cuda.synchronize()
+        per_call_us = max(20.0, 1.5 * host_us)
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                    for _ in range(self.reps)] for _ in fns]
         turn = 0
@@ -146,7 +158,7 @@ class Timer:
             order = list(enumerate(fns)) if rep % 2 == 0 else list(enumerate(fns))[::-1]
             for f, fn in order:
                 start, end = events[f][rep]
-                self.spin(20.0 * runs + 50.0)
+                self.spin(per_call_us * runs + 50.0)
                 start.record()
                 for _ in range(runs):
                     fn(turn % sets)
