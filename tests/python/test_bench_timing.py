@@ -12,12 +12,17 @@ import pytest
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
-@pytest.fixture
-def timing():
-    spec = importlib.util.spec_from_file_location("_host_timing_under_test", BENCH / "_host_timing.py")
+def _bench_module(name):
+    """bench/NAME.py loaded under a name of its own (bench/ is no package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def timing():
+    return _bench_module("_host_timing")
 
 
 class _Cuda:
@@ -77,10 +82,7 @@ def test_ratio_quartiles_by_hand(timing):
 
 @pytest.fixture
 def checks():
-    spec = importlib.util.spec_from_file_location("_checks_under_test", BENCH / "_checks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _bench_module("_checks")
 
 
 def test_bit_masks_are_read_bit_i_mod_32_of_word_i_div_32(checks):
