@@ -507,3 +507,12 @@ def test_any_machine_a_sanitize_run_killed_with_its_wrapper_fails_the_step(stand
     done = stand_ins("gpu-suite", "sanitize", EXES="test_plan test_fp16", SAN_KILL_WRAPPER="memcheck:test_plan")
     assert done.returncode == 1, done.summary
     assert re.search(r"^sanitize: \d of 8 runs ended with a status line$", done.summary, re.M), done.summary
+
+
+@needs_bash
+def test_any_machine_run_tests_help_builds_nothing(stand_ins):
+    done = stand_ins("run-tests", "--help")
+    assert done.returncode == 0 and "tools/run-tests [--build-only | PYTEST_ARGS...]" in done.stdout
+    assert done.calls == ""  # neither cmake nor ctest nor pytest ran
+    mixed = stand_ins("run-tests", "-x", "--build-only")
+    assert mixed.returncode == 2 and "--build-only takes no other argument" in mixed.stderr and mixed.calls == ""
