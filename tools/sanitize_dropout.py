@@ -1,6 +1,6 @@
-"""Every dropout kernel of the package (eager and captured into a CUDA graph; bit, byte and no
-mask; apply_mask; float32, float16 and bfloat16; sizes from 37 elements to 3 Mi) through the
-Python API, for compute-sanitizer on a machine with a GPU:
+"""The dropout kernels of the package (eager: bit, byte and no mask, apply_mask, float32, float16
+and bfloat16, sizes from 37 elements to 3 Mi; on a side stream; and the default call captured into
+a CUDA graph and replayed) through the Python API, for compute-sanitizer on a machine with a GPU:
 
     compute-sanitizer --tool racecheck --kernel-name kns=dropout --error-exitcode 1 \\
         python3 tools/sanitize_dropout.py
@@ -25,6 +25,7 @@ def main():
                     inferctx.apply_mask(x, m, 0.3)
         side = torch.cuda.Stream()
         x = torch.randn(1 << 20, device=dev).to(dt)
+        side.wait_stream(torch.cuda.current_stream())  # x is written on the current stream
         with torch.cuda.stream(side):
             inferctx.dropout(x, 0.3)
         torch.cuda.synchronize()
