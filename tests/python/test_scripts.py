@@ -516,3 +516,13 @@ def test_any_machine_run_tests_help_builds_nothing(stand_ins):
     assert done.calls == ""  # neither cmake nor ctest nor pytest ran
     mixed = stand_ins("run-tests", "-x", "--build-only")
     assert mixed.returncode == 2 and "--build-only takes no other argument" in mixed.stderr and mixed.calls == ""
+
+
+@needs_bash
+def test_any_machine_gpu_suite_says_on_stdout_that_it_finished(stand_ins):
+    done = stand_ins("gpu-suite", "tests")
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "---- gpu-suite finished: tests, exit 0"
+    failed = stand_ins("gpu-suite", "tests", PYTEST="fail")
+    assert failed.returncode == 1 and failed.stdout.splitlines()[-1] == "---- gpu-suite finished: tests, exit 1"
+    cut = stand_ins("gpu-suite", "tests", PYTEST="killed")  # pytest killed: the step fails, the run ends
+    assert cut.stdout.splitlines()[-1] == "---- gpu-suite finished: tests, exit 1"
