@@ -181,6 +181,20 @@ def test_example_analysis_of_a_timeline():
     assert a["ordered"] and a["overlap_ms"] == [0.0] and not a["overlap_observed"]
 
 
+def _example_on_a_faked_machine(monkeypatch, gpus, nccl):
+    """The example's module, with `gpus` CUDA devices and NCCL (or not) made to appear to torch
+    and no torchrun variables set."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+    return _example_module()
+
+
 @pytest.mark.parametrize("env, argv, words", [
     ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0"}, [], "torchrun's WORLD_SIZE='0' is not an integer >= 1"),
     ({"RANK": "0", "WORLD_SIZE": "x", "LOCAL_RANK": "0"}, [], "torchrun's WORLD_SIZE='x' is not an integer >= 1"),
@@ -195,18 +209,9 @@ def test_example_analysis_of_a_timeline():
 ])
 def test_example_usage_errors_are_one_line_and_exit_2(monkeypatch, capsys, env, argv, words):
     # On the CPU, with two GPUs and NCCL made to appear: every check before a process group starts.
-    torch = pytest.importorskip("torch")
-    import torch.distributed as dist
-
-    mp = _example_module()
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    mp = _example_on_a_faked_machine(monkeypatch, gpus=2, nccl="--nccl-missing" not in argv)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    nccl = "--nccl-missing" not in argv
-    monkeypatch.setattr(dist, "is_available", lambda: True)
-    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
     monkeypatch.setattr(mp, "_run", lambda *a: pytest.fail("ran past the checks"))
     assert mp.main([a for a in argv if a != "--nccl-missing"]) == 2
     err = capsys.readouterr().err
@@ -220,17 +225,11 @@ def test_example_usage_errors_are_one_line_and_exit_2(monkeypatch, capsys, env, 
 ])
 def test_example_a_rank_that_cannot_run_is_one_line_and_exit_3(monkeypatch, capsys, raised, words):
     torch = pytest.importorskip("torch")
-    import torch.distributed as dist
     import torch.multiprocessing
 
     import inferctx
 
-    mp = _example_module()
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(dist, "is_available", lambda: True)
-    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    mp = _example_on_a_faked_machine(monkeypatch, gpus=1, nccl=True)
     errors = {
         "oom": inferctx.WorkspaceOOMError("the workspace does not fit"),
         "runtime": RuntimeError("Error initializing torch.distributed\nMASTER_ADDR expected"),
