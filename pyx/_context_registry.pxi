@@ -43,9 +43,8 @@ cdef InferenceContext _context_of(object device):
     else:
         n = _int_arg(device, "device")
         if not 0 <= n < (1 << 31):
-            raise _ConfigError(f"device: got {_brief(device)}; it must be a device ordinal >= "
-                               "0 (or "
-                               f"None for the current device)", argument="device")
+            raise _ConfigError(f"device: got {_brief(device)}; it must be a device ordinal "
+                               ">= 0 (or None for the current device)", argument="device")
         d = <int>n
     found = _contexts.get(d)
     if found is not None:

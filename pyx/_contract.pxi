@@ -430,10 +430,12 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x",
     cdef int device = -1
     cdef uintptr_t handle = (_ctx_stream_args(ctx, stream) if handle_of_stream is None
                              else <uintptr_t>handle_of_stream)
+    primary = operands[0]
+    cdef int primary_package = _package_of(primary)
     for obj in operands:
         if obj is None:
             continue
-        package = _package_of(obj)
+        package = primary_package if obj is primary else _package_of(obj)
         if package == PKG_NONE:
             plain = True
         else:
@@ -441,8 +443,7 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x",
             if call.package == PKG_NONE:
                 call.package = package
                 call._like = obj
-    primary = operands[0]
-    device = _operand_device(primary, _package_of(primary), first)
+    device = _operand_device(primary, primary_package, first)
     if device < 0:
         if ctx is not None:
             device = (<InferenceContext>ctx).device

@@ -38,8 +38,7 @@ def _fused_silu_mul(uintptr_t gate, uintptr_t up, int64_t rows, int64_t cols, in
 cdef int _three_strides(object strides, int64_t* out, str name) except -1:
     if not isinstance(strides, tuple) or len(strides) != 3:
         raise _ConfigError(f"{name}: got {_brief(strides)}; give the (batch, token, head) "
-                           "strides as a tuple "
-                           f"of three ints", argument=name)
+                           "strides as a tuple of three ints", argument=name)
     for k in range(3):
         out[k] = _int_arg(strides[k], f"{name}[{k}]")
     return 0

@@ -167,8 +167,7 @@ cdef _DLPackImport _consume_capsule(object capsule, object producer, str argumen
     else:
         raise _ConfigError(
             f"{argument}: {_type_name(producer)}.__dlpack__() returned {_brief(capsule)}, not "
-            "an unused "
-            f"DLPack capsule ('dltensor' or 'dltensor_versioned')", argument=argument)
+            "an unused DLPack capsule ('dltensor' or 'dltensor_versioned')", argument=argument)
     return taken
 
 

@@ -74,6 +74,5 @@ cdef int _dtype_index(object dtype, str argument) except -1:
         index = _DTYPE_BY_NAME.get(name.strip().lower())
     if index is None:
         raise _ConfigError(f"{argument}: got {_brief(dtype)}; valid: {', '.join(_DTYPE_NAMES)} "
-                           "(or the "
-                           f"NumPy/torch dtype of one of them)", argument=argument)
+                           "(or the NumPy/torch dtype of one of them)", argument=argument)
     return index

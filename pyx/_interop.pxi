@@ -261,9 +261,8 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
     if producer is not None and stream != 0:
         if PyBool_Check(producer) or not isinstance(producer, int) or not 0 < producer < (1 << 64):
             raise _ConfigError(f"{argument}: __cuda_array_interface__ 'stream' is "
-                               f"{_brief(producer)}; "
-                               f"the interface allows None, 1, 2 or a stream handle (an int in "
-                               f"[3, 2**64))", argument=argument)
+                               f"{_brief(producer)}; the interface allows None, 1, 2 or a stream "
+                               "handle (an int in [3, 2**64))", argument=argument)
     cdef uintptr_t ptr = <uintptr_t>address
     cdef int device = _pointer_device(ptr, obj, argument) if ptr else _device_arg(None)
     if producer is not None and stream != 0:

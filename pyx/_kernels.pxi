@@ -20,8 +20,8 @@ cdef double _probability_arg(object p) except? -1:
         v = float(p)
     except (OverflowError, ValueError, TypeError):
         raise _ConfigError(f"p: got {_brief(p)}, which is not a finite number; it must be a "
-                           "number in "
-                           f"[0, 1], the probability of dropping an element", argument="p") from None
+                           "number in [0, 1], the probability of dropping an element",
+                           argument="p") from None
     if isnan(v) or v < 0.0 or v > 1.0:
         raise _ConfigError(f"p: got {v!r}; it must be in [0, 1], the probability of dropping an "
                            f"element", argument="p")
@@ -99,9 +99,10 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
     ``x`` held, where torch's ``x * mask * (1 / (1 - p))`` gives -0 for a negative ``x`` and
     NaN for an infinite or NaN one; elsewhere the two agree bit for bit.
 
-    The call contract: the kernel runs on the current stream of x's package (torch's
-    ``current_stream``, CuPy's current stream), or ``ctx.stream`` for a DeviceView or other
-    array; ``stream=`` overrides. Results come back in x's package (torch in, torch out, from
+    The call contract: the kernel runs on the current stream of the arrays' package (torch's
+    ``current_stream``, CuPy's current stream; of x, out and mask_out, the first that belongs
+    to a package decides), or ``ctx.stream`` where none does (DeviceView, other arrays);
+    ``stream=`` overrides. Results come back in that package (torch in, torch out, from
     torch's caching allocator; CuPy likewise; DeviceView from the context's pool) and are
     complete before any later work on the caller's current stream: no synchronize is needed.
 
@@ -132,7 +133,7 @@ def dropout(x, p, *, ctx=None, out=None, mask="bits", mask_out=None, seed=None, 
 
     Returns
     -------
-    (y, mask) : y in x's package (or ``out``), mask likewise (or ``mask_out``) or None.
+    (y, mask) : y in the arrays' package (or ``out``), mask likewise (or ``mask_out``) or None.
     """
     if (out is None and mask_out is None and stream is None and seed is None and offset is None
             and type(mask) is str and mask == "bits"):
@@ -264,7 +265,7 @@ def apply_mask(grad, mask, p, *, ctx=None, out=None, stream=None):
 
     ``mask`` is what ``dropout`` returned: 32-bit words (bits) or uint8 (bytes, any nonzero
     byte keeps). Same ``ctx``, ``out`` and ``stream`` rules, and the same call contract, as
-    ``dropout``; returns the result (in grad's package, or ``out``). p = 1 gives zeros (+0)
+    ``dropout``; returns the result (in the arrays' package, or ``out``). p = 1 gives zeros (+0)
     whatever the mask keeps.
     """
     cdef double prob = _probability_arg(p)

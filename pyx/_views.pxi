@@ -297,8 +297,8 @@ cdef class DeviceView:
                 raise BufferError(
                     f"__dlpack__: this DeviceView is in GPU memory; exporting it to dl_device="
                     f"{_brief(dl_device)} needs a copy, which copy=False forbids. Pass "
-                    "copy=None or "
-                    f"True, or import it on the GPU (torch.from_dlpack, cupy.from_dlpack)")
+                    "copy=None or True, or import it on the GPU (torch.from_dlpack, "
+                    "cupy.from_dlpack)")
             host = self._host_copy()
             return _export_capsule(host, <void*>host._ptr, target[0], 0, self._shape,
                                    self._dtype, versioned, DLPACK_FLAG_BITMASK_IS_COPIED)
@@ -397,8 +397,7 @@ cdef bint _consumer_stream(object stream, uintptr_t* consumer) except -1:
         return True
     if PyBool_Check(stream) or not isinstance(stream, int):
         raise _ConfigError(f"stream: got {_brief(stream)}; __dlpack__ takes None, -1, 1, 2 or "
-                           "a CUDA "
-                           f"stream handle (int)", argument="stream")
+                           "a CUDA stream handle (int)", argument="stream")
     if stream == -1:
         return False
     if stream == 0:

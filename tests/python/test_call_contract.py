@@ -846,6 +846,26 @@ def test_mixed_packages_take_the_first_operands(torch, cupy, ctx):
     assert float(seen) == 16 * 32
 
 
+def test_dropout_with_mixed_arrays_takes_the_first_of_a_package(torch, cupy, ctx):
+    # Of x, out and mask_out, the first array of a package decides: a DeviceView x with a torch
+    # out gives a torch mask made on torch's stream; a CuPy x with a torch out, a CuPy mask.
+    x = inferctx._core._empty(0, (4096,), "float16")
+    torch.from_dlpack(x).fill_(2.0)
+    out = torch.empty(4096, device="cuda", dtype=torch.float16)
+    y, bits = inferctx.dropout(x, 0.5, out=out)
+    assert y is out
+    assert isinstance(bits, torch.Tensor) and bits.dtype == torch.int32 and bits.shape == (128,)
+    kept = ref.unpack_bits(bits.cpu().numpy().view(np.uint32), 4096)
+    assert 1000 < kept.sum() < 3096
+    assert np.array_equal(out.cpu().numpy(), np.where(kept, 4.0, 0.0).astype(np.float16))
+    xc = cupy.full((4096,), 2.0, dtype=cupy.float16)
+    y, bits = inferctx.dropout(xc, 0.5, out=out)
+    assert y is out and isinstance(bits, cupy.ndarray) and bits.dtype == cupy.uint32
+    kept = ref.unpack_bits(cupy.asnumpy(bits), 4096)
+    assert 1000 < kept.sum() < 3096
+    assert np.array_equal(out.cpu().numpy(), np.where(kept, 4.0, 0.0).astype(np.float16))
+
+
 # ---- the pool --------------------------------------------------------------------------------
 
 def test_plain_calls_on_deviceviews_keep_the_pool_bounded_and_trim_returns_it(torch, ctx):
