@@ -51,6 +51,20 @@ def settled_free_memory(ctx):
     return _core._memory_info(ctx.device)[0]
 
 
+def live_views_report(limit: int = 8) -> str:
+    """The DeviceViews alive and what holds each, for the message of a failed leak or release
+    check: a view that only C code holds (a DLPack export, a capsule) shows no Python holder."""
+    import inferctx
+
+    gc.collect()
+    views = [o for o in gc.get_objects() if type(o) is inferctx.DeviceView]
+    lines = [f"{len(views)} DeviceView(s) alive"]
+    for view in views[:limit]:
+        holders = sorted({type(r).__name__ for r in gc.get_referrers(view) if r is not views})
+        lines.append(f"  {view!r} held by {', '.join(holders) or 'no Python object'}")
+    return "\n".join(lines)
+
+
 def plan_small(ctx, **overrides):
     """Puts the small plan (with `overrides`) in force on `ctx`."""
     return ctx.gen_workspace(SHAPE, **{**REQUEST, **overrides})

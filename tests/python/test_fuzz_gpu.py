@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 import inferctx
 import philox_reference as ref
 from dlpack_ctypes import IS_COPIED, capsule_name, read
-from gpu_context import SHAPE, ctx, plan_small, settled_free_memory  # noqa: F401 (fixture)
+from gpu_context import SHAPE, ctx, live_views_report, plan_small, settled_free_memory  # noqa: F401 (fixture)
 from inferctx import (ConfigError, CudaError, NoCudaDeviceError, TokenLimitError, WorkspaceOOMError,
                       WorkspaceStateError)
 
@@ -537,9 +537,9 @@ def gpu(torch, ctx):
     free_a, held_a, pool_a = after
     # Memory the workspace holds is the plan's (kept when a later plan is smaller): not a leak.
     lost = (free_b - free_a) - (held_a - held_b)
-    assert lost <= LEAK_TOLERANCE, (before, after)
+    assert lost <= LEAK_TOLERANCE, (before, after, live_views_report())
     assert pool_a["used_bytes"] <= pool_b["used_bytes"] and pool_a["allocations"] <= pool_b["allocations"], \
-        (pool_b, pool_a)
+        (pool_b, pool_a, live_views_report())
     assert pool_a["reserved_bytes"] <= pool_b["reserved_bytes"] + LEAK_TOLERANCE, (pool_b, pool_a)
     healthy(torch, ctx)
 

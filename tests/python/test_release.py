@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from gpu_context import KV_SHAPE, ctx, plan_small  # noqa: F401 (fixture)
+from gpu_context import KV_SHAPE, ctx, live_views_report, plan_small  # noqa: F401 (fixture)
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX is imported
 
@@ -81,7 +81,10 @@ def fresh_plan(ctx, **overrides):
     """The small plan (with `overrides`) mapped afresh: released first with no view alive, so the
     workspace holds exactly the plan's bytes."""
     gc.collect()
-    ctx.release_workspace()
+    try:
+        ctx.release_workspace()
+    except WorkspaceInUseError as refused:  # say which views an earlier test left alive
+        raise AssertionError(f"{refused}\n{live_views_report()}") from refused
     plan = plan_small(ctx, **overrides)
     assert ctx.held_bytes == plan.workspace_bytes
     return plan
