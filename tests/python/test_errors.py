@@ -79,6 +79,14 @@ def _device_count_where(visible):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+# compute-sanitizer follows child processes, and under it a child started with
+# CUDA_VISIBLE_DEVICES="" still found a device (runs of 2026-12-06, docs/reliability.md).
+no_hidden_devices_under_a_sanitizer = pytest.mark.skipif(
+    bool(os.environ.get("INFERCTX_SANITIZE")),
+    reason="under compute-sanitizer a child with CUDA_VISIBLE_DEVICES='' still finds a device")
+
+
+@no_hidden_devices_under_a_sanitizer
 def test_device_count_or_no_device_error():
     from conftest import gpu_available
 
@@ -101,6 +109,7 @@ def test_device_count_or_no_device_error():
     assert "Planning" in got["error"]
 
 
+@no_hidden_devices_under_a_sanitizer
 def test_no_device_error_words_the_planning_remedy():
     # Run where no device is visible (CUDA_VISIBLE_DEVICES empty), so that a GPU machine checks
     # it too: the C++ message ends with the facts; the Python class adds the fix in the CLI's terms.

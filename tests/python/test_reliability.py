@@ -444,12 +444,22 @@ FORK_GPU_CALLS = ("gen_workspace", "dropout", "gemm", "sync_comp", "stream.synch
                   "release_workspace")
 
 
+# Under compute-sanitizer (INFERCTX_SANITIZE) the tool follows child processes: a child forked
+# after CUDA was initialised hung in its first CUDA call instead of getting CUDA's error, and a
+# child started with CUDA_VISIBLE_DEVICES="" still found a device (runs of 2026-12-06,
+# docs/reliability.md). These tests check the process's environment, which the tool changes.
+SANITIZED = bool(os.environ.get("INFERCTX_SANITIZE"))
+not_under_a_sanitizer = pytest.mark.skipif(
+    SANITIZED, reason="compute-sanitizer changes what a forked or CUDA_VISIBLE_DEVICES='' child sees")
+
+
 @functools.lru_cache(maxsize=None)
 def fork_child():
     return run_child(FORK_SCRIPT, timeout=FORK_TIMEOUT_S + 120)
 
 
 @pytest.mark.gpu
+@not_under_a_sanitizer
 def test_forked_child_gets_an_inferctx_error_not_a_hang():
     child = fork_child()
     text = describe(child)
@@ -464,6 +474,7 @@ def test_forked_child_gets_an_inferctx_error_not_a_hang():
 
 
 @pytest.mark.gpu
+@not_under_a_sanitizer
 def test_forked_child_error_says_it_was_forked():
     child = fork_child()
     text = describe(child)
@@ -525,6 +536,7 @@ def no_device_env():
     return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
+@not_under_a_sanitizer
 def test_no_visible_device_planning_works_and_gpu_calls_raise_no_cuda_device():
     child = run_child(NO_DEVICE_SCRIPT, timeout=120, env=no_device_env())
     text = describe(child)
