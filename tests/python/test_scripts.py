@@ -526,3 +526,20 @@ def test_any_machine_gpu_suite_says_on_stdout_that_it_finished(stand_ins):
     assert failed.returncode == 1 and failed.stdout.splitlines()[-1] == "---- gpu-suite finished: tests, exit 1"
     cut = stand_ins("gpu-suite", "tests", PYTEST="killed")  # pytest killed: the step fails, the run ends
     assert cut.stdout.splitlines()[-1] == "---- gpu-suite finished: tests, exit 1"
+
+
+@needs_bash
+def test_any_machine_gpu_suite_builds_and_tests_with_the_python_named(stand_ins, tmp_path):
+    """PYTHON names the interpreter of the build, the tests and the sanitized pytest alike, so
+    that a build is never tested by another interpreter than the one that made it."""
+    other = tmp_path / "other python"
+    other.write_text('#!/usr/bin/env bash\nprintf "other-python\\n" >>"$CALLS"\nexec python3 "$@"\n')
+    other.chmod(0o755)
+    done = stand_ins("gpu-suite", "build", "tests", "pysanitize", PYTHON=str(other),
+                     PYSANITIZE_TOOLS="memcheck")
+    assert done.returncode == 0, (done.stdout, done.stderr, done.summary)
+    lines = done.calls.splitlines()
+    runs = [i for i, line in enumerate(lines) if line.startswith("python3 -m ")]
+    assert len(runs) >= 3, lines  # the build, the tests' pytest, the sanitized pytest
+    for i in runs:  # each run of python3 came through the interpreter named
+        assert i > 0 and lines[i - 1] == "other-python", (i, lines)
