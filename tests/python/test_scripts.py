@@ -166,7 +166,7 @@ fi
 echo "15 cases, 2 failed checks"; echo "67% tests passed, 1 tests failed out of 3"; exit 8
 """,
     "compute-sanitizer": r"""
-printf 'compute-sanitizer %s | SANITIZE=%s\n' "$*" "${INFERCTX_SANITIZE:-}" >>"$CALLS"
+printf 'compute-sanitizer %s | VMM_OFF=%s SANITIZE=%s\n' "$*" "${INFERCTX_DISABLE_VMM:-}" "${INFERCTX_SANITIZE:-}" >>"$CALLS"
 while [ $# -gt 0 ]; do case "$1" in
   --tool) tool=$2; shift 2 ;;
   --error-exitcode|--require-cuda-init|--kernel-name|--kernel-name-exclude|--report-api-errors) shift 2 ;;
@@ -543,3 +543,19 @@ def test_any_machine_gpu_suite_builds_and_tests_with_the_python_named(stand_ins,
     assert len(runs) >= 3, lines  # the build, the tests' pytest, the sanitized pytest
     for i in runs:  # each run of python3 came through the interpreter named
         assert i > 0 and lines[i - 1] == "other-python", (i, lines)
+
+
+@needs_bash
+def test_any_machine_sanitize_runs_the_workspace_suites_under_the_fallback_when_asked(stand_ins):
+    plain = stand_ins("gpu-suite", "sanitize", EXES="test_plan test_context")
+    assert plain.returncode == 0, plain.summary
+    assert "_cudamalloc" not in plain.summary and "VMM_OFF=1" not in plain.calls
+    both = stand_ins("gpu-suite", "sanitize", EXES="test_plan test_context", SANITIZE_CUDAMALLOC="1")
+    assert both.returncode == 0, both.summary
+    runs = [line for line in both.summary.splitlines() if "check:" in line]
+    assert len(runs) == 12, runs  # two executables, four tools each, and test_context's fallback
+    fallback = [line for line in both.calls.splitlines() if "VMM_OFF=1" in line]
+    assert len(fallback) == 4 and all("/tests/cpp/test_context " in line for line in fallback), fallback
+    for tool in ("memcheck", "racecheck", "initcheck", "synccheck"):
+        assert f"{tool}:test_context_cudamalloc rc=0" in runs and f"{tool}:test_context rc=0" in runs
+    assert "##### memcheck.test_context_cudamalloc" in (stand_ins.out / "sanitizer.log").read_text()
