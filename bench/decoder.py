@@ -9,9 +9,11 @@ random weights under a fixed seed) and batch size (1 and 8), fp16, a random prom
   measurement for both): tokens/s = batch x new tokens / that time. Median of ``--repeats`` calls
   after one warm-up call (ours: the warm-up captures the graph).
 * **per step** (ms/step): the same arithmetic for both, (generate time - one prefill's time) /
-  (new tokens - 1), each a median: transformers' prefill forward timed alone with events (its
-  generate has no per-step hook), ours the prefill that ``generate(timing=True)`` times. Ours
-  also by itself (replayed step ms): the median CUDA-event time between consecutive replays.
+  (new tokens - 1), each a median: transformers' prefill forward timed alone with events, with
+  the arguments its generate gives it (``hf_prefill_kwargs``: cache, mask, the last position's
+  logits only), since its generate has no per-step hook; ours the prefill that
+  ``generate(timing=True)`` times. Ours also by itself (replayed step ms): the median CUDA-event
+  time between consecutive replays.
 * **replay vs kernels**: the replayed step's time against the sum of the GPU time of the kernels
   (and memsets / copies) that the same step runs eagerly, from ``torch.profiler`` (CUDA activity,
   each device event's own duration, summed, divided by the number of steps profiled); also the
@@ -186,7 +188,7 @@ def bench_one(torch, args, name, batch, hf):
     kwargs = _hf_generate_kwargs(prompt, n)  # every prompt token real, token 0 included
     with torch.no_grad():
         hf_ms = timed(torch, lambda: hf.generate(prompt, **kwargs), args.repeats)
-        hf_prefill = timed(torch, lambda: hf(prompt, use_cache=True), args.repeats)
+        hf_prefill = timed(torch, lambda: hf(prompt, **hf_prefill_kwargs(hf, kwargs)), args.repeats)
         hf_rise = peak_rise(torch, lambda: hf.generate(prompt, **kwargs))
         hf_tokens = hf.generate(prompt, **kwargs)[:, length:]
     hf_weights = unique_bytes(list(hf.parameters()) + list(hf.buffers()))
@@ -195,6 +197,22 @@ def bench_one(torch, args, name, batch, hf):
                   peak_bytes=hf_weights + hf_rise, weights_bytes=hf_weights)
     same = bool((hf_tokens == ours_tokens).all()) if hf_tokens.shape == ours_tokens.shape else False
     return [dict(model=name, batch=batch, tokens_equal=same, **r) for r in (ours, theirs)]
+
+
+def hf_prefill_kwargs(hf, generate_kwargs: dict) -> dict:
+    """The arguments of the prefill forward that transformers' generate runs: the cache on, the
+    same attention mask, and, where the model takes ``logits_to_keep``, the last position's logits
+    only (generate asks for 1; the whole prompt's logits would make the prefill timed here
+    longer than generate's, and so the per-step figure derived from it shorter)."""
+    import inspect
+
+    forward = inspect.signature(hf.forward).parameters
+    out = dict(use_cache=True, attention_mask=generate_kwargs["attention_mask"])
+    if "logits_to_keep" in forward:
+        out["logits_to_keep"] = 1
+    elif "num_logits_to_keep" in forward:  # its earlier name in transformers
+        out["num_logits_to_keep"] = 1
+    return out
 
 
 def main(argv=None) -> int:

@@ -126,3 +126,30 @@ def test_an_all_kept_mask_fails_the_density_check_for_small_p_too(checks):
     keep[7] = False
     y = torch.where(keep, x[:1024] * (1.0 / (1.0 - 1e-6)), torch.zeros(()))
     assert checks.dropout_mismatch(torch, x[:1024], y, keep, 1e-6) is None
+
+
+def test_the_decoder_benchmark_times_transformers_prefill_as_its_generate_runs_it(monkeypatch):
+    """bench/decoder.py derives transformers' per-step time from a prefill it times alone: that
+    prefill must ask for what generate's does (the last position's logits only, where the model
+    takes logits_to_keep), or its longer time shortens transformers' step."""
+    monkeypatch.syspath_prepend(str(BENCH))  # its own helpers (_cli)
+    decoder = _bench_module("decoder")
+    mask = object()
+
+    class New:
+        def forward(self, input_ids, attention_mask=None, use_cache=None, logits_to_keep=0):
+            pass
+
+    class Old:
+        def forward(self, input_ids, attention_mask=None, use_cache=None, num_logits_to_keep=0):
+            pass
+
+    class Neither:
+        def forward(self, input_ids, attention_mask=None, use_cache=None):
+            pass
+
+    given = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False}
+    assert decoder.hf_prefill_kwargs(New(), given) == dict(use_cache=True, attention_mask=mask, logits_to_keep=1)
+    assert decoder.hf_prefill_kwargs(Old(), given) == dict(use_cache=True, attention_mask=mask,
+                                                           num_logits_to_keep=1)
+    assert decoder.hf_prefill_kwargs(Neither(), given) == dict(use_cache=True, attention_mask=mask)
