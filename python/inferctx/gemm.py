@@ -140,8 +140,10 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
         The context to tune on (the current device's by default).
     cache_file
         A JSON file: loaded first when it exists (problems already in it are not tuned again
-        unless ``force``), and written (merged) afterwards. It is read and checked before the
-        device is looked up; a bad one raises ConfigError naming ``cache_file``.
+        unless ``force``), and written (merged) afterwards unless it already holds every tuning
+        of the process (then it is left as it is, so a read-only one serves). It is read and
+        checked before the device is looked up; a bad one, or a new one whose folder does not
+        exist, raises ConfigError naming ``cache_file``.
     progress
         Draw a progress bar on stderr.
     force
@@ -185,6 +187,8 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
             if os.path.exists(cache_file):
                 file_entries = _file_entries(cache_file)
                 _cache_keys(cache_file, file_entries)
+            else:
+                _check_new_file_folder(cache_file)
     if ctx is None:
         ctx = _context_of_current_device()
     device = _context_device(ctx)
@@ -237,10 +241,35 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
                              "saved to %s: %s", cache_file, save_error)
         raise
     bar.close()
-    if cache_file is not None:
+    # A file that already holds every tuning the save would write is left as it is: nothing to
+    # add, and it may be on storage this process cannot write (a cache shipped read-only).
+    if cache_file is not None and (tuned_any or not _file_holds_all(cache_file)):
         with _as_cache_file_error():
             save_gemm_cache(cache_file)
     return results
+
+
+def _check_new_file_folder(path: str) -> None:
+    """ConfigError('path') when the folder a new cache file would be made in is none (missing, or
+    a file): found before tuning, not when the tunings are to be written."""
+    folder = os.path.dirname(os.path.realpath(path))
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise ConfigError(f"path: {path} cannot be made: its folder {folder} {what}; create the "
+                          f"folder first, or give a file name in an existing folder", argument="path")
+
+
+def _file_holds_all(path: str) -> bool:
+    """Whether the file at path holds every tuning of the process as save_gemm_cache would write
+    it. Read again (another process may have replaced it meanwhile); False for a file that is
+    missing or cannot be read, whose save then makes it or says what is wrong."""
+    try:
+        file_entries = _file_entries(path)
+    except (ConfigError, OSError):
+        return False
+    key = lambda entry: json.dumps(entry, sort_keys=True)  # noqa: E731
+    held = {key(_entry_to_json(e)) for e in file_entries}
+    return all(key(_entry_to_json(e)) in held for e in _core._gemm_cache_export(True))
 
 
 @contextlib.contextmanager
@@ -351,8 +380,11 @@ def _save_entries(path: str, target: str, exported: list, entries: list, merge: 
     if kind:
         _refuse_kind(path, kind, "save_gemm_cache writes and replaces regular files only: give a file name")
     if merge and os.path.exists(path):
-        kept = _read_cache_file(path)
         hint = "; merge=True keeps the file's entries: mend or remove the file, or pass merge=False to replace it"
+        try:  # an empty, truncated, newer or foreign file: nothing the merge could keep
+            kept = _read_cache_file(path)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}{hint}", argument="path") from None
         try:  # written back as they are: each must be an entry load takes, by the same checks
             converted = [_entry_from_json(e, path, i) for i, e in enumerate(kept)]
         except ConfigError as exc:
