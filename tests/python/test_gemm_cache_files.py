@@ -1,60 +1,19 @@
 """The GEMM cache file as autotune_gemm and save_gemm_cache meet it: files a merge cannot read,
 folders that do not exist, and files that already hold every tuning (read-only storage).
 
-The GPU half of autotune_gemm (timing, and the in-process algorithm cache) is stood in for, as
-in test_gemm.py, so that all of this runs without a GPU."""
+The GPU half of autotune_gemm (timing, and the in-process algorithm cache) is stood in for
+(gemm_tuner_stub, as in test_gemm.py), so that all of this runs without a GPU."""
 
 import errno
-import importlib
 import json
 import os
-import types
 
 import pytest
+from gemm_tuner_stub import gm, install, tuner  # noqa: F401 (fixture)
 
-from inferctx import _core
 from inferctx.errors import ConfigError
 
-gm = importlib.import_module("inferctx.gemm")
-
 _MERGE_HINT = "pass merge=False to replace it"
-
-
-class _Tuner:
-    """Stands in for _core's tuner and algorithm cache: each tune adds the packed problem's entry."""
-
-    def __init__(self):
-        self.tunes = []
-        self.cache = []
-
-    def tune(self, ctx, dtype, trans_a, trans_b, m, n, k, batch, tf32, *rest):
-        self.tunes.append((batch, m, n, k))
-        problem = _core._gemm_packed_problem(dtype, m, n, k, batch, trans_a, trans_b, tf32)
-        self.cache.append(dict(device=ctx.device, device_name="Test GPU", cublas_version=130100,
-                               problem=problem, align_a=256, align_b=256, align_c=256, backend=1,
-                               algo=[], time_ms=0.25))
-        return dict(backend=1, algo_index=0, algo=[], algo_id=-1, tile_id=-1, stages_id=-1,
-                    splitk=-1, default_ms=0.25, best_ms=0.25, candidates=4, valid=4, rotated_sets=4)
-
-    def export(self, tuned_only):
-        return list(self.cache)
-
-    def import_(self, entries):
-        return len(entries)
-
-    def clear(self):
-        self.cache.clear()
-
-
-@pytest.fixture
-def tuner(monkeypatch):
-    stub = _Tuner()
-    monkeypatch.setattr(gm._core, "_gemm_tune", stub.tune)
-    monkeypatch.setattr(gm._core, "_gemm_cache_export", stub.export)
-    monkeypatch.setattr(gm._core, "_gemm_cache_import", stub.import_)
-    monkeypatch.setattr(gm._core, "_gemm_cache_clear", stub.clear)
-    monkeypatch.setattr(gm, "_context_of_current_device", lambda: types.SimpleNamespace(device=0))
-    return stub
 
 
 @pytest.mark.parametrize("content, words", [
@@ -125,10 +84,7 @@ def test_autotune_leaves_a_cache_file_that_holds_every_tuning_as_it_is(tuner, tm
     assert info.value.errno == errno.EROFS and len(tuner.tunes) == 3
     # So has a tuning the process holds that the file lacks, though nothing was tuned in the call.
     monkeypatch.undo()
-    monkeypatch.setattr(gm._core, "_gemm_tune", tuner.tune)
-    monkeypatch.setattr(gm._core, "_gemm_cache_export", tuner.export)
-    monkeypatch.setattr(gm._core, "_gemm_cache_import", tuner.import_)
-    monkeypatch.setattr(gm, "_context_of_current_device", lambda: types.SimpleNamespace(device=0))
+    install(monkeypatch, tuner)
     results = gm.autotune_gemm([(8, 16, 32)], "float16", progress=False, cache_file=path)
     assert results[0]["skipped"] is True and len(tuner.tunes) == 3
     assert len(json.loads(path.read_text())["entries"]) == 3
