@@ -100,7 +100,9 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
         free_bytes, total_bytes = preset.free_bytes, preset.total_bytes
         notes["memory"] = (f"GPU preset {preset.name}: total less {presets.CUDA_OVERHEAD_MIB} MiB for the "
                            f"CUDA driver, context and cuBLAS")
-    elif device is not None and (free_bytes is not None or total_bytes is not None):
+    elif device is not None and free_bytes is not None and total_bytes is not None:
+        # Both figures given: nothing would be read from the device. With one of them given, the
+        # other is read from this device, as from the current one when device= is omitted.
         raise ConfigError("device: give either device= (read its memory) or free_bytes= and total_bytes=, "
                           "not both", argument="device")
     read_device = free_bytes is None or total_bytes is None

@@ -911,3 +911,27 @@ def test_a_boolean_tensor_is_not_a_count():
     # integer tensors are counts, as before
     assert plan_workspace("llama-2-7b", **{**kw, "batch_size": torch.tensor(3)}).batch_size == 3
     assert inferctx.planning.human_bytes(torch.tensor(1536)) == "1.50 KiB"
+
+
+@pytest.mark.parametrize("given,read", [
+    (dict(free_bytes=4 * GIB), dict(total_bytes=8 * GIB)),
+    (dict(total_bytes=7 * GIB), dict(free_bytes=6 * GIB)),
+])
+def test_a_memory_figure_omitted_is_read_from_the_device_named(monkeypatch, given, read):
+    # The docstring: "each one omitted is read from ``device`` now"; with both given, device= is refused.
+    from inferctx import planning
+
+    devices = []
+
+    def memory(device):
+        devices.append(device)
+        return 6 * GIB, 8 * GIB
+
+    monkeypatch.setattr(planning, "_device_memory", memory)
+    p = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, device=1, **given)
+    assert devices == [1]
+    assert {**given, **read} == dict(free_bytes=p.free_bytes, total_bytes=p.total_bytes)
+    with pytest.raises(ConfigError) as info:
+        plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, device=1,
+                       free_bytes=4 * GIB, total_bytes=8 * GIB)
+    assert info.value.argument == "device" and devices == [1]
