@@ -29,7 +29,7 @@ INSTALL = "pip install 'inferctx[demo]'"
 _FLAGS = {"num_layers": "--layers", "hidden": "--hidden", "num_heads": "--heads", "num_kv_heads": "--kv-heads",
           "vocab_size": "--vocab", "intermediate": "--intermediate", "max_new_tokens": "--new-tokens",
           "batch_size": "--batch", "prompt_len": "--prompt-len", "max_positions": "the model's positions",
-          "head_dim": "the head size"}
+          "head_dim": "the head size (--hidden / --heads)"}
 
 
 class DemoError(Exception):
@@ -95,6 +95,18 @@ def _seed(text: str) -> int:
     return _whole(text, 0, (1 << 63) - 1, "it must be in 0..2**63-1")
 
 
+def _dtype(text: str) -> str:
+    """The canonical dtype name of a name or alias, as `inferctx plan --dtype` and the decoder read it
+    (the package's one alias table: case and spaces aside, 'fp16', 'half', 'bf16', 'fp32', ...)."""
+    from .dtypes import VALID, dtype_name
+    from .errors import ConfigError
+
+    try:
+        return dtype_name(text, "--dtype")
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"got {_brief(text)}; valid: {VALID}") from None
+
+
 def add_demo_parser(sub: Any) -> None:
     """Adds the `demo` subcommand to the CLI's subparsers."""
     from .decoder import ALIASES, PRESETS
@@ -112,8 +124,8 @@ def add_demo_parser(sub: Any) -> None:
     d.add_argument("--prompt-len", type=_positive, default=32, metavar="N", help="prompt tokens (default 32)")
     d.add_argument("--new-tokens", type=_positive, default=128, metavar="N",
                    help="tokens to generate (default 128)")
-    d.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32", "fp16", "bf16", "fp32"),
-                   metavar="DTYPE", help="float16 (default), bfloat16 or float32")
+    d.add_argument("--dtype", type=_dtype, default="float16", metavar="DTYPE",
+                   help="float16 (default), bfloat16 or float32 (or an alias: fp16, half, bf16, fp32)")
     d.add_argument("--seed", type=_seed, default=0, metavar="N", help="weights' and prompt's seed (default 0)")
     d.add_argument("--dropout", type=_probability, default=0.0, metavar="P",
                    help="MC-dropout probability on each block's output (default 0: none)")
@@ -222,14 +234,13 @@ def _check_device(spec: Any, args: argparse.Namespace, weights: int, free: int, 
 def run_demo(args: argparse.Namespace) -> int:
     """Runs `inferctx demo`; DemoError (status 2) when torch, transformers or a GPU is missing."""
     from .decoder import model_spec
+    from .decoder._spec import _check_positions
     from .errors import ConfigError, WorkspaceOOMError
 
     try:
         spec = model_spec(args.model, num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
                           num_kv_heads=args.kv_heads, vocab_size=args.vocab, intermediate=args.intermediate)
-        if spec.arch == "gpt2" and args.prompt_len + args.new_tokens > spec.max_positions:
-            raise ConfigError(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} passes "
-                              f"GPT-2's {spec.max_positions} positions")
+        _check_positions(spec, args.prompt_len, args.new_tokens)
         weights = _check_sizes(spec, args)
     except ConfigError as exc:
         raise DemoError(_flag_terms(str(exc))) from None

@@ -19,7 +19,8 @@ from . import _layers as L
 from ._backend import CpuBackend, CpuContext, GpuBackend, _Carver, _side_stream
 from ._fused import FusedOps, fused_ops, unfused
 from ._models import TORCH_DTYPES, Weights
-from ._spec import ModelSpec, _check_request, _decoder_terms, _flag, _positive, _real, dtype_name
+from ._spec import (ModelSpec, _check_positions, _check_request, _decoder_terms, _flag, _positive, _real,
+                    dtype_name)
 
 __all__ = ["ReferenceDecoder", "Generation"]
 
@@ -83,24 +84,24 @@ class Generation(Generic[_Logits]):
 _TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def _check_prompt(prompt: Any) -> None:
-    """ConfigError(argument="prompt") unless `prompt` is a 2-D tensor of token ids."""
+def _check_prompt(prompt: Any, name: str = "prompt", dims: str = "[batch, length]") -> None:
+    """ConfigError(argument=name) unless `prompt` is a 2-D tensor of token ids (`dims`: its [rows, columns])."""
     if (not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype.is_floating_point
             or prompt.dtype.is_complex or prompt.dtype == torch.bool):
         got = (f"a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor"
                if isinstance(prompt, torch.Tensor) else f"a {type(prompt).__name__}")
-        raise ConfigError(f"prompt: got {got}; it must be a 2-D integer tensor [batch, length] of token ids",
-                          argument="prompt")
+        raise ConfigError(f"{name}: got {got}; it must be a 2-D integer tensor {dims} of token ids",
+                          argument=name)
     if prompt.layout != torch.strided or prompt.device.type == "meta":
         where = ("on the meta device, which holds no values" if prompt.device.type == "meta"
                  else f"of layout {str(prompt.layout).replace('torch.', '')}")
-        raise ConfigError(f"prompt: got a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor "
+        raise ConfigError(f"{name}: got a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor "
                           f"{where}; it must be a dense (strided) tensor of token ids on the CPU or a GPU",
-                          argument="prompt")
+                          argument=name)
     if prompt.dtype not in _TOKEN_DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in _TOKEN_DTYPES)
-        raise ConfigError(f"prompt: got a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor; "
-                          f"token ids must be one of {names}", argument="prompt")
+        raise ConfigError(f"{name}: got a {tuple(prompt.shape)} {str(prompt.dtype).replace('torch.', '')} tensor; "
+                          f"token ids must be one of {names}", argument=name)
 
 
 def _model_config(model: object) -> Any:
@@ -173,9 +174,7 @@ class ReferenceDecoder:
                               f"CpuContext, or None for the context of device", argument="ctx")
         s = self.spec
         total = self.prompt_len + self.max_new_tokens
-        if s.arch == "gpt2" and total > s.max_positions:
-            raise ConfigError(f"max_new_tokens: prompt_len + max_new_tokens = {total} "
-                              f"passes GPT-2's n_positions={s.max_positions}", argument="max_new_tokens")
+        _check_positions(s, self.prompt_len, self.max_new_tokens)
         # Llama has no such bound here: RoPE's tables are made for the planned length, as
         # transformers makes them for any position (max_position_embeddings bounds no default RoPE).
         _check_request(s, self.batch, self.prompt_len, self.max_new_tokens, self.dtype_name)  # no weights copied yet

@@ -24,10 +24,11 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 def build_hf_model(spec: ModelSpec, seed: int = 0) -> Any:
     """The Hugging Face model of ``spec`` (GPT2LMHeadModel or LlamaForCausalLM) in float32 on the
-    CPU, its weights drawn by the model's own initialisation under ``torch.manual_seed(seed)``
-    (the caller's RNG state is kept). Nothing is downloaded. ``seed``: an integer in [0, 2**64),
-    the seeds torch's generator holds (torch.manual_seed also takes negative ones, which are
-    other names of seeds in that range)."""
+    CPU (whatever torch's default device), its weights drawn by the model's own initialisation from
+    the CPU generator seeded with ``seed``, as ``torch.manual_seed(seed)`` seeds it; the caller's
+    RNG state, the CPU's and every accelerator's, is kept. Nothing is downloaded. ``seed``: an
+    integer in [0, 2**64), the seeds torch's generator holds (torch.manual_seed also takes
+    negative ones, which are other names of seeds in that range)."""
     import importlib
 
     if not isinstance(spec, ModelSpec):
@@ -44,8 +45,11 @@ def build_hf_model(spec: ModelSpec, seed: int = 0) -> Any:
     transformers: Any = importlib.import_module("transformers")
     config = spec.hf_config()
     cls: Any = transformers.GPT2LMHeadModel if spec.arch == "gpt2" else transformers.LlamaForCausalLM
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(n)
+    # Only the CPU generator is seeded (torch.manual_seed would seed every CUDA device's too, and
+    # fork_rng(devices=[]) restores the CPU's alone); the model is made on the CPU even where a
+    # default device is set, so its weights come from that generator.
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.default_generator.manual_seed(n)
         model = cls(config)
     model.eval()
     for flag in ("eos_token_id", "bos_token_id"):  # generation runs its full length
@@ -167,6 +171,39 @@ def _tied(model: Any) -> bool:
     return out is not None and inp is not None and out.weight.data_ptr() == inp.weight.data_ptr()
 
 
+def _check_reference_args(model: Any, prompt: Any, new_tokens: Any) -> None:
+    """ConfigError naming `model`, `prompt` or `new_tokens` for what hf_reference_logits cannot run."""
+    from ._decoder import _check_prompt, _model_config
+
+    config = _model_config(model)
+    vocab = int(config.vocab_size)
+    _check_prompt(prompt)
+    _check_prompt(new_tokens, "new_tokens", "[batch, n]")
+    rows, length = prompt.shape
+    if length < 1 or rows < 1:
+        raise ConfigError(f"prompt: got a {tuple(prompt.shape)} tensor; it needs at least one sequence of at least "
+                          f"one token", argument="prompt")
+    if new_tokens.shape[0] != rows or new_tokens.shape[1] < 1:
+        raise ConfigError(f"new_tokens: got shape {tuple(new_tokens.shape)}; it must be [{rows}, n] with n >= 1 (the "
+                          f"prompt's {rows} sequences)", argument="new_tokens")
+    device = next((t.device for t in model.parameters()), None)
+    if device is not None and device.type == "meta":
+        raise ConfigError(f"model: a {type(model).__name__} whose weights are on the meta device, which holds no "
+                          f"values; it must hold its weights on the CPU or a GPU", argument="model")
+    for name, t in (("prompt", prompt), ("new_tokens", new_tokens)):
+        if device is not None and t.device != device:
+            raise ConfigError(f"{name}: it is on {t.device} and the model on {device}; give it on {device}",
+                              argument=name)
+        lo, hi = torch.stack(torch.aminmax(t)).tolist()
+        if lo < 0 or hi >= vocab:
+            raise ConfigError(f"{name}: token ids must be in 0..{vocab - 1}; got {lo}..{hi}", argument=name)
+    total = length + new_tokens.shape[1] - 1  # the last new token is not fed
+    positions = getattr(config, "n_positions", None) if getattr(config, "model_type", None) == "gpt2" else None
+    if positions is not None and total > positions:
+        raise ConfigError(f"new_tokens: a prompt of {length} tokens and {new_tokens.shape[1]} new tokens feed "
+                          f"{total} positions, past GPT-2's n_positions={positions}", argument="new_tokens")
+
+
 def _cache_keyword(model: Any) -> str:
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -175,9 +212,12 @@ def _cache_keyword(model: Any) -> str:
 def hf_reference_logits(model: Any, prompt: torch.Tensor, new_tokens: torch.Tensor) -> torch.Tensor:
     """Logits [n, batch, vocab] of the Hugging Face model run with its own KV cache: the prompt
     [batch, L] in one call, then ``new_tokens`` [batch, n] one at a time (teacher forcing), each
-    call fed ``past_key_values``; row i predicts the token after the prompt and i new tokens."""
+    call fed ``past_key_values``; row i predicts the token after the prompt and i new tokens.
+    ``prompt`` and ``new_tokens``: integer token ids on the model's device, of as many rows, with
+    at least one new token (ConfigError naming the argument otherwise)."""
     from transformers import DynamicCache
 
+    _check_reference_args(model, prompt, new_tokens)
     cache = DynamicCache()
     keyword = _cache_keyword(model)
     out = []

@@ -301,3 +301,20 @@ def _check_request(spec: ModelSpec, batch_size: int, prompt_len: int, max_new_to
         raise worded from None
     except WorkspaceOOMError:
         pass  # more than 2**63 bytes: no device holds it, which the context's own plan says
+
+
+def _check_positions(spec: ModelSpec, prompt_len: int, max_new_tokens: int) -> None:
+    """GPT-2's learned positions end at n_positions (``max_positions``): the prompt and the new
+    tokens must fit them. ConfigError naming prompt_len where the prompt alone leaves no position
+    for a new token, max_new_tokens (and the most that fits) otherwise. Llama has no such bound."""
+    if spec.arch != "gpt2":
+        return
+    limit = spec.max_positions
+    total = prompt_len + max_new_tokens
+    if total <= limit:
+        return
+    if prompt_len >= limit:
+        raise ConfigError(f"prompt_len: got {prompt_len}; GPT-2's n_positions={limit} must hold the prompt and at "
+                          f"least one new token: prompt_len <= {limit - 1}", argument="prompt_len")
+    raise ConfigError(f"max_new_tokens: prompt_len + max_new_tokens = {total} passes GPT-2's n_positions={limit}; "
+                      f"max_new_tokens <= {limit - prompt_len} fits", argument="max_new_tokens")
