@@ -4,6 +4,7 @@ fixture giving the current device's context with that plan in force."""
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import pytest
@@ -51,17 +52,30 @@ def settled_free_memory(ctx):
     return _core._memory_info(ctx.device)[0]
 
 
-def live_views_report(limit: int = 8) -> str:
+def live_views_report(limit: int = 8, device_type: str = "cuda") -> str:
     """The DeviceViews alive and what holds each, for the message of a failed leak or release
     check: a view that only C code holds (a DLPack export, a capsule) shows no Python holder."""
     import inferctx
 
     gc.collect()
-    views = [o for o in gc.get_objects() if type(o) is inferctx.DeviceView]
+    objects = gc.get_objects()
+    views = [o for o in objects if type(o) is inferctx.DeviceView]
     lines = [f"{len(views)} DeviceView(s) alive"]
+    torch = sys.modules.get("torch")
+    tensors = [o for o in objects if torch is not None and issubclass(type(o), torch.Tensor)
+               and o.device.type == device_type]
+    del objects
+    here = sys._getframe()
     for view in views[:limit]:
         holders = sorted({type(r).__name__ for r in gc.get_referrers(view) if r is not views})
-        lines.append(f"  {view!r} held by {', '.join(holders) or 'no Python object'}")
+        lines.append(f"  {view!r} held by {', '.join(holders) or 'no Python object (a DLPack capsule?)'}")
+        # A view that only a capsule holds lives as long as the array imported from it: name the
+        # torch tensors over its memory and what holds them (a frame names its function).
+        for t in tensors:
+            if view.ptr <= t.data_ptr() < view.ptr + max(view.nbytes, 1):
+                refs = sorted({f"frame of {r.f_code.co_name}" if hasattr(r, "f_code") else type(r).__name__
+                               for r in gc.get_referrers(t) if r is not tensors and r is not here})
+                lines.append(f"    tensor {tuple(t.shape)} at {t.data_ptr():#x} held by {', '.join(refs) or 'nothing seen'}")
     return "\n".join(lines)
 
 

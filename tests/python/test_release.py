@@ -630,3 +630,39 @@ def _threads_go_on_during_release(ctx):
     assert answers == [True], answers  # asked while the release held the lock: answered after it
     assert turns >= 100, turns
 
+
+
+def test_the_live_views_report_names_the_tensors_over_a_view_and_what_holds_them(monkeypatch):
+    # What fresh_plan and the fuzz fixture print when views outlive their test: each view with the
+    # types holding it, and the tensors over its memory with theirs, a frame by its function's name
+    # (a finished test's frame that a stored exception keeps). Shown on the CPU with a stand-in view
+    # over a CPU tensor's memory.
+    torch = pytest.importorskip("torch")
+    import inferctx
+    from gpu_context import live_views_report
+
+    class View:
+        def __init__(self, ptr, nbytes):
+            self.ptr, self.nbytes = ptr, nbytes
+
+        def __repr__(self):
+            return f"<view at {self.ptr:#x}>"
+
+    def a_test_that_raised():
+        kept = torch.arange(16, dtype=torch.float32)
+        views.append(View(kept.data_ptr(), kept.nbytes))
+        raise RuntimeError("its frame, and kept with it, live on in the traceback")
+
+    monkeypatch.setattr(inferctx, "DeviceView", View, raising=False)
+    views = [View(1 << 40, 64)]
+    try:
+        a_test_that_raised()
+    except RuntimeError as exc:
+        stored = exc
+    report = live_views_report(device_type="cpu")
+    lines = report.splitlines()
+    assert lines[0] == "2 DeviceView(s) alive", report
+    assert "<view at 0x10000000000> held by list" in report
+    tensor_lines = [line for line in lines if line.startswith("    tensor (16,)")]
+    assert len(tensor_lines) == 1 and "frame of a_test_that_raised" in tensor_lines[0], report
+    assert stored.__traceback__ is not None
