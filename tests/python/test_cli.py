@@ -1142,3 +1142,50 @@ def test_an_invalid_mplbackend_does_not_stop_the_plot(tmp_path):
                            "--sweep-batch", "2", "--json", "--plot", str(path)], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 0 and done.stderr == f"wrote {path}\n" and path.read_bytes() == b"png", done.stderr
+
+
+def test_presets_listing_gives_parameters_in_billions_on_each_models_row(capsys):
+    code, out, _ = run(capsys, "presets")
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert code == 0
+    # 6,738,415,616 and 68,976,648,192 parameters: decimal billions, not GiB-like 2**30 units
+    assert rows["llama-2-7b"].split()[6] == "6.74B"
+    assert rows["llama-2-70b"].split()[6] == "68.98B"
+    assert rows["llama-2-7b"].split()[1:6] == ["32", "32", "32", "128", "4096"]
+
+
+def test_a_miss_states_the_budget_from_the_memory_left_after_the_weights(capsys):
+    # RTX 4090: 24564 - 1244 MiB = 22.77 GiB free, less 12.55 GiB of weights = 10.22 GiB
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "rtx-4090", "--max-batch",
+                       "--max-tokens", "1000000")
+    assert code == 2
+    assert "a budget of 9.73 GiB (free 10.22 GiB after the weights - reserve 500.00 MiB)" in err
+
+
+def test_device_0_is_a_device_the_command_reads(capsys, monkeypatch):
+    from inferctx import planning
+
+    read = []
+    monkeypatch.setattr(planning, "_device_memory", lambda device: (read.append(device), (8 * GIB, 8 * GIB))[1])
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--device", "0", "--max-tokens", "64", "--json")
+    assert code == 0, err
+    assert read == [0] and json.loads(out)["sources"]["memory"] == "device 0, read now"
+
+
+def test_total_gb_without_free_gb_is_one_line_exit_2(capsys):
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--total-gb", "80")
+    assert code == 2 and out == ""
+    assert err == "inferctx: error: --total-gb needs --free-gb\n"
+
+
+def test_most_tokens_json_gives_the_answer_as_max_out_tokens(capsys):
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "20", "--batch", "8",
+                       "--most-tokens", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["max_out_tokens"] == d["request"]["max_out_tokens"] == d["plan"]["max_tokens"] > 0
+
+
+@pytest.mark.parametrize("flag", ["--total-gb", "--memory-limit-gb"])
+def test_a_zero_gib_flag_that_must_be_positive_is_named(capsys, flag):
+    code, _, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "8", flag, "0")
+    assert code == 2 and err == f"inferctx: error: {flag}: got '0'; it must be a positive number of GiB\n"

@@ -935,3 +935,86 @@ def test_a_memory_figure_omitted_is_read_from_the_device_named(monkeypatch, give
         plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=16, device=1,
                        free_bytes=4 * GIB, total_bytes=8 * GIB)
     assert info.value.argument == "device" and devices == [1]
+
+
+def test_a_gpu_preset_and_a_device_together_are_refused():
+    # gpu= plans against a preset; device= would read a real card: one source of memory, not two.
+    with pytest.raises(ConfigError) as e:
+        plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=64, gpu="h100-80gb", device=0)
+    assert e.value.argument == "gpu" and "not both" in str(e.value)
+
+
+def test_a_gpu_preset_with_a_shape_without_num_params_asks_for_weights_bytes():
+    with pytest.raises(ConfigError) as e:
+        plan_workspace(ModelShape(32, 32, 4096), batch_size=1, prompt_len=1, max_out_tokens=64, gpu="h100-80gb")
+    assert e.value.argument == "weights_bytes"
+    # the user gave no 'auto': the message says why the weights are needed and what to pass
+    assert "whole memory" in str(e.value) and "0 if they live elsewhere" in str(e.value)
+    assert "'auto'" not in str(e.value)
+
+
+def test_weights_source_names_the_mp_split():
+    kw = dict(batch_size=1, prompt_len=1, max_out_tokens=64, gpu="h100-80gb")
+    p = plan_workspace("llama-2-7b", mp_size=2, **kw)
+    assert p.weights_bytes == 6_738_415_616 * 2 // 2
+    assert p.weights_source == "6,738,415,616 parameters x 2 B / mp 2"
+    assert plan_workspace("llama-2-7b", **kw).weights_source == "6,738,415,616 parameters x 2 B"
+
+
+def test_kv_shape_counts_kv_heads_not_query_heads():
+    # Llama-3-70B: 64 query heads, 8 KV heads; over mp 2, 32 and 4 a rank.
+    p = plan_workspace("llama-3-70b", batch_size=4, prompt_len=1, max_out_tokens=8192, mp_size=2,
+                       free_bytes=141 * GIB, total_bytes=141 * GIB)
+    assert (p.heads_per_rank, p.kv_heads_per_rank) == (32, 4)
+    assert p.kv_shape == (4, 4, 8192, 128)
+    b, h, t, d = p.kv_shape
+    assert p.kv_tensor_bytes == b * h * t * d * 2 == 33_554_432
+    assert "each K or V [4, 4, 8192, 128] float16" in str(p)
+
+
+def test_to_dict_request_keeps_the_models_head_dim_where_the_plan_sizes_with_another():
+    # Gemma-7B: 16 heads of 256, hidden 3072; the deepspeed policy sizes with 3072 / 16 = 192.
+    p = plan_workspace("gemma-7b", batch_size=1, prompt_len=1, max_out_tokens=64, policy="deepspeed",
+                       free_bytes=40 * GIB, total_bytes=40 * GIB)
+    d = p.to_dict()
+    assert p.head_dim == d["plan"]["head_dim"] == 192
+    assert d["request"]["head_dim"] == 256 == p.shape.head_dim
+
+
+def test_deepspeed_temp_term_is_cut_from_the_memory_left_after_the_weights():
+    # 24 GiB free less 4 GiB of weights: 20 GiB planned against, and the same temp term as with
+    # 20 GiB free and no weights, 64 x 32 x 100,000 = 204,800,000 bytes (195.31 MiB).
+    p = plan_workspace("llama-2-7b", batch_size=64, prompt_len=1, max_out_tokens=100_000, policy="deepspeed",
+                       free_bytes=24 * GIB, total_bytes=24 * GIB, weights_bytes=4 * GIB)
+    assert p.planned_free_bytes == 20 * GIB
+    assert p.budget_bytes == 20 * GIB - 500 * MIB - 204_800_000
+    assert "budget 19.32 GiB (free - reserve 500.00 MiB - DeepSpeed's temp term 195.31 MiB)" in str(p)
+
+
+def test_str_says_mha_or_the_kv_heads():
+    mha = plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=64, **H100)
+    gqa = plan_workspace("llama-3-70b", batch_size=1, prompt_len=1, max_out_tokens=64, **H100)
+    assert "32 layers, 32 heads (MHA), hidden 4096" in str(mha)
+    assert "80 layers, 64 heads (8 KV), hidden 8192" in str(gqa)
+
+
+def test_plans_of_different_requests_are_not_equal_even_with_the_same_layout():
+    kw = dict(batch_size=2, prompt_len=64, max_out_tokens=4096, mp_size=2, **H100)
+    r0, r1 = (plan_workspace("llama-2-13b", rank=r, **kw) for r in range(2))
+    assert r0.to_dict()["plan"] == r1.to_dict()["plan"]  # the same layout on every rank
+    assert r0 != r1 and r0 == plan_workspace("llama-2-13b", rank=0, **kw)
+
+
+@pytest.mark.parametrize("head_dim", [0, -1])
+def test_a_head_dim_below_one_is_refused_not_taken_as_the_default(head_dim):
+    with pytest.raises(ConfigError) as info:
+        ModelShape(32, 32, 4096, head_dim=head_dim)
+    assert info.value.argument == "head_dim" and f"got {head_dim}" in str(info.value)
+
+
+def test_num_params_may_be_zero_but_not_negative():
+    shape = ModelShape(32, 32, 4096, num_params=0)
+    assert shape.num_params == 0 and shape.weights_bytes() == 0
+    with pytest.raises(ConfigError) as info:
+        ModelShape(32, 32, 4096, num_params=-1)
+    assert info.value.argument == "num_params" and ">= 0" in str(info.value)
