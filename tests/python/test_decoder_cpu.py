@@ -23,6 +23,26 @@ def cpu():
     return torch
 
 
+def _demo_args(monkeypatch, *argv):
+    """The arguments `inferctx demo ARGV` goes on with once its flags are read: stopped at its
+    first check of the model's sizes, before anything is built."""
+    from inferctx import demo
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def checked(spec, args):
+        seen.append(args)
+        raise Stop
+
+    monkeypatch.setattr(demo, "_check_sizes", checked)
+    with pytest.raises(Stop):
+        main(["demo", *argv])
+    return seen[0]
+
+
 # -- GPT-2's positions ------------------------------------------------------------------------------
 
 def test_cpu_a_prompt_that_fills_gpt2s_positions_is_blamed_on_prompt_len(cpu):
@@ -66,24 +86,10 @@ def test_demo_a_prompt_that_fills_gpt2s_positions_is_blamed_on_prompt_len(capsys
 def test_demo_dtype_takes_the_names_inferctx_plan_takes(capsys, monkeypatch, given, name):
     # The demo's --dtype had a list of six spellings of its own: `inferctx plan --dtype half` (and
     # the decoder's dtype="half") was taken, `inferctx demo --dtype half` refused.
-    from inferctx import demo
     from inferctx.dtypes import dtype_name
 
     assert dtype_name(given) == name  # the planner's reading
-
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def checked(spec, args):
-        seen.append(args.dtype)
-        raise Stop
-
-    monkeypatch.setattr(demo, "_check_sizes", checked)
-    with pytest.raises(Stop):
-        main(["demo", "--model", "gpt2-tiny", "--dtype", given])
-    assert seen == [name]
+    assert _demo_args(monkeypatch, "--model", "gpt2-tiny", "--dtype", given).dtype == name
 
 
 def test_demo_dtype_refusal_lists_the_valid_names(capsys):
@@ -524,27 +530,13 @@ def test_cpu_hf_reference_logits_refuses_the_first_id_past_the_vocabulary(cpu):
 
 
 def test_demo_seed_is_below_2_63_and_long_numbers_are_described_by_their_size(capsys, monkeypatch):
-    from inferctx import demo
-
     code, out, err = run(capsys, "demo", "--seed", str(2 ** 63))
     assert code == 2 and out == ""
     assert err == f"inferctx: error: argument --seed: got {2 ** 63}; it is too large: it must be in 0..2**63-1\n", err
     code, out, err = run(capsys, "demo", "--batch", "9" * 100)
     assert err == ("inferctx: error: argument --batch: got a 100-digit number; it is too large: it must be below "
                    "2**63 = 9,223,372,036,854,775,808\n"), err
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def checked(spec, args):
-        seen.append(args.seed)
-        raise Stop
-
-    monkeypatch.setattr(demo, "_check_sizes", checked)
-    with pytest.raises(Stop):
-        main(["demo", "--model", "gpt2-tiny", "--seed", str(2 ** 63 - 1)])
-    assert seen == [2 ** 63 - 1]
+    assert _demo_args(monkeypatch, "--model", "gpt2-tiny", "--seed", str(2 ** 63 - 1)).seed == 2 ** 63 - 1
 
 
 # -- the wording of a plan that does not fit ---------------------------------------------------------
