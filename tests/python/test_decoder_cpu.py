@@ -43,6 +43,17 @@ def _demo_args(monkeypatch, *argv):
     return seen[0]
 
 
+def _tiny_llama_on_the_cpu(max_new_tokens):
+    """(spec, ctx, dec): llama-tiny's decoder for 2 prompts of 4 tokens, float32, on a CpuContext."""
+    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
+
+    spec = model_spec("llama-tiny")
+    ctx = CpuContext()
+    dec = ReferenceDecoder(build_hf_model(spec, seed=0), batch_size=2, prompt_len=4, max_new_tokens=max_new_tokens,
+                           dtype="float32", ctx=ctx)
+    return spec, ctx, dec
+
+
 # -- GPT-2's positions ------------------------------------------------------------------------------
 
 def test_cpu_a_prompt_that_fills_gpt2s_positions_is_blamed_on_prompt_len(cpu):
@@ -362,12 +373,7 @@ def test_cpu_generate_times_the_prefill_and_each_step_in_milliseconds(cpu):
 
 def test_cpu_prompt_token_ids_outside_the_vocabulary_are_refused(cpu):
     torch = cpu
-    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
-
-    spec = model_spec("llama-tiny")
-    ctx = CpuContext()
-    dec = ReferenceDecoder(build_hf_model(spec, seed=0), batch_size=2, prompt_len=4, max_new_tokens=3,
-                           dtype="float32", ctx=ctx)
+    spec, ctx, dec = _tiny_llama_on_the_cpu(max_new_tokens=3)
     last = spec.vocab_size - 1
     good = torch.tensor([[0, 1, 2, 3], [last, last, 0, 0]])
     first = dec.generate(good).tokens
@@ -404,12 +410,7 @@ def test_cpu_use_graph_runs_every_step_eagerly(cpu):
 
 def test_cpu_generate_on_a_workspace_planned_again_or_released_is_refused_before_it_runs(cpu):
     torch = cpu
-    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
-
-    spec = model_spec("llama-tiny")
-    ctx = CpuContext()
-    dec = ReferenceDecoder(build_hf_model(spec, seed=0), batch_size=2, prompt_len=4, max_new_tokens=3,
-                           dtype="float32", ctx=ctx)
+    spec, ctx, dec = _tiny_llama_on_the_cpu(max_new_tokens=3)
     prompt = torch.randint(0, spec.vocab_size, (2, 4), generator=torch.Generator().manual_seed(6))
     want = dec.generate(prompt).tokens
     tokens = ctx.current_tokens
@@ -505,12 +506,7 @@ def test_cpu_giving_up_the_kept_contents_while_released_ends_the_sequence(cpu):
 
 
 def _cpu_decoder_llama(torch):
-    from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
-
-    spec = model_spec("llama-tiny")
-    ctx = CpuContext()
-    dec = ReferenceDecoder(build_hf_model(spec, seed=0), batch_size=2, prompt_len=4, max_new_tokens=3,
-                           dtype="float32", ctx=ctx)
+    spec, ctx, dec = _tiny_llama_on_the_cpu(max_new_tokens=3)
     prompt = torch.randint(0, spec.vocab_size, (2, 4), generator=torch.Generator().manual_seed(8))
     return dec, ctx, prompt, spec
 
