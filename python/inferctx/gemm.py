@@ -269,7 +269,7 @@ def _file_holds_all(path: str) -> bool:
         return False
     key = lambda entry: json.dumps(entry, sort_keys=True)  # noqa: E731
     held = {key(_entry_to_json(e)) for e in file_entries}
-    return all(key(_entry_to_json(e)) in held for e in _core._gemm_cache_export(True))
+    return all(key(e) in held for e in gemm_cache_entries())
 
 
 @contextlib.contextmanager

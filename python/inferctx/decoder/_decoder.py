@@ -104,6 +104,14 @@ def _check_prompt(prompt: Any, name: str = "prompt", dims: str = "[batch, length
                           f"token ids must be one of {names}", argument=name)
 
 
+def _check_token_range(tokens: torch.Tensor, vocab_size: int, name: str = "prompt") -> None:
+    """ConfigError(argument=name) unless every id of `tokens` is in 0..vocab_size-1 (one
+    synchronisation where they are on a GPU)."""
+    lo, hi = torch.stack(torch.aminmax(tokens)).tolist()
+    if lo < 0 or hi >= vocab_size:
+        raise ConfigError(f"{name}: token ids must be in 0..{vocab_size - 1}; got {lo}..{hi}", argument=name)
+
+
 def _model_config(model: object) -> Any:
     """The Hugging Face config of `model`; ConfigError(argument="model") for anything that is no
     transformers model."""
@@ -489,10 +497,7 @@ class ReferenceDecoder:
         """prefill of a prompt _check_prompt_fits passed, the caller's stream not made to wait for it
         (generate does that once)."""
         rows, n = prompt.shape
-        lo, hi = torch.stack(torch.aminmax(prompt)).tolist()  # one synchronisation
-        if lo < 0 or hi >= self.spec.vocab_size:
-            raise ConfigError(f"prompt: token ids must be in 0..{self.spec.vocab_size - 1}; got {lo}..{hi}",
-                              argument="prompt")
+        _check_token_range(prompt, self.spec.vocab_size)
         self._check_state("prefill")
         self._prefilled = False
         _HOLDER[self.ctx] = weakref.ref(self)

@@ -173,7 +173,7 @@ def _tied(model: Any) -> bool:
 
 def _check_reference_args(model: Any, prompt: Any, new_tokens: Any) -> None:
     """ConfigError naming `model`, `prompt` or `new_tokens` for what hf_reference_logits cannot run."""
-    from ._decoder import _check_prompt, _model_config
+    from ._decoder import _check_prompt, _check_token_range, _model_config
 
     config = _model_config(model)
     vocab = int(config.vocab_size)
@@ -194,9 +194,7 @@ def _check_reference_args(model: Any, prompt: Any, new_tokens: Any) -> None:
         if device is not None and t.device != device:
             raise ConfigError(f"{name}: it is on {t.device} and the model on {device}; give it on {device}",
                               argument=name)
-        lo, hi = torch.stack(torch.aminmax(t)).tolist()
-        if lo < 0 or hi >= vocab:
-            raise ConfigError(f"{name}: token ids must be in 0..{vocab - 1}; got {lo}..{hi}", argument=name)
+        _check_token_range(t, vocab, name)
     total = length + new_tokens.shape[1] - 1  # the last new token is not fed
     positions = getattr(config, "n_positions", None) if getattr(config, "model_type", None) == "gpt2" else None
     if positions is not None and total > positions:
