@@ -850,13 +850,19 @@ def test_dropout_with_mixed_arrays_takes_the_first_of_a_package(torch, cupy, ctx
     # Of x, out and mask_out, the first array of a package decides: a DeviceView x with a torch
     # out gives a torch mask made on torch's stream; a CuPy x with a torch out, a CuPy mask.
     x = inferctx._core._empty(0, (4096,), "float16")
-    torch.from_dlpack(x).fill_(2.0)
     out = torch.empty(4096, device="cuda", dtype=torch.float16)
+    # The input is written behind a long sleep on the caller's stream, and the output read there at
+    # once, with no synchronize: only a kernel ordered on that stream gives the right values.
+    torch.cuda._sleep(TRIAL_SLEEP_CYCLES)
+    torch.from_dlpack(x).fill_(2.0)
     y, bits = inferctx.dropout(x, 0.5, out=out)
+    read = out.clone()
+    assert not torch.cuda.current_stream().query(), "the caller's stream was idle: ordering untested"
     assert y is out
     assert isinstance(bits, torch.Tensor) and bits.dtype == torch.int32 and bits.shape == (128,)
     kept = ref.unpack_bits(bits.cpu().numpy().view(np.uint32), 4096)
     assert 1000 < kept.sum() < 3096
+    assert np.array_equal(read.cpu().numpy(), np.where(kept, 4.0, 0.0).astype(np.float16))
     assert np.array_equal(out.cpu().numpy(), np.where(kept, 4.0, 0.0).astype(np.float16))
     xc = cupy.full((4096,), 2.0, dtype=cupy.float16)
     y, bits = inferctx.dropout(xc, 0.5, out=out)
