@@ -13,6 +13,17 @@ from inferctx._decl_gpu cimport (
     cudaStreamWaitEvent, cudaStream_t, cudaSuccess)
 from inferctx._decl_planner cimport PlanRequest, WorkspacePlan
 
+cdef extern from *:
+    """
+    #include "inferctx/fault.hpp"
+    // The failure injection's `handshake` site (fault::Site::handshake): the armed stream join
+    // fails with the armed code; 0 otherwise, and always in a build without the hook.
+    static inline int inferctx_fault_handshake() {
+      return inferctx::fault::injected(inferctx::fault::Site::handshake);
+    }
+    """
+    int inferctx_fault_handshake() nogil
+
 
 cdef unsigned long long _capture_id(cudaStream_t stream, cudaError_t* error) noexcept nogil:
     """0 for a stream that is not being captured into a CUDA graph, else its capture's id (never
@@ -58,7 +69,9 @@ cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t p
         # A default stream (legacy 1, per-thread 2) cannot join a capture: _order says so.
         status = cudaErrorStreamCaptureImplicit
     elif joins_capture or (p == c and p != unknown):
-        status = cudaEventRecord(event, producer)
+        status = <cudaError_t>inferctx_fault_handshake()
+        if status == cudaSuccess:
+            status = cudaEventRecord(event, producer)
         if status == cudaSuccess:
             status = cudaStreamWaitEvent(consumer, event, 0)
     # else the edge cannot be made (see above): status stays cudaSuccess

@@ -367,10 +367,11 @@ cdef class _Call:
                             f"pass {argument}={also}, made before the capture")
 
     cdef int finish(self) except -1:
-        """The caller's streams wait for the work queued on `kernel`."""
+        """The caller's streams wait for the work queued on `kernel`. Every join is tried, a
+        failed one included (each caller's stream that can wait does, and a stream made to join
+        a CUDA-graph capture is joined back where any join can); the first error is raised."""
         if self._joins:
-            for s in self._joins:
-                self.ctx._order(self.kernel, <uintptr_t>s)
+            _join_back(self.ctx, self.kernel, self._joins, len(self._joins))
         return 0
 
     cdef int abandon(self) except -1:
@@ -481,10 +482,39 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x",
         if s != call.kernel and (joins is None or s not in joins):
             joins = [s] if joins is None else joins + [s]
     call._joins = joins
+    cdef Py_ssize_t forked = 0
     if joins is not None:
-        for s in joins:
-            context._order(s, call.kernel, True)  # finish() joins the kernel stream back
+        try:
+            for s in joins:
+                context._order(s, call.kernel, True)  # finish() joins the kernel stream back
+                forked += 1
+        except BaseException:
+            # The streams joined so far may have made the kernel's stream join a CUDA-graph
+            # capture: joined back, or the capture could not end. The error that ended the call
+            # is the one raised.
+            try:
+                _join_back(context, call.kernel, joins, forked)
+            except Exception:
+                pass
+            raise
     return call
+
+
+cdef int _join_back(InferenceContext ctx, uintptr_t kernel, list streams,
+                    Py_ssize_t count) except -1:
+    """The first `count` of `streams` wait for the work queued on `kernel`: every one is tried,
+    and the first error is raised once all were."""
+    cdef object failed = None
+    cdef Py_ssize_t i
+    for i in range(count):
+        try:
+            ctx._order(kernel, <uintptr_t>streams[i])
+        except BaseException as error:
+            if failed is None:
+                failed = error
+    if failed is not None:
+        raise failed
+    return 0
 
 
 def _begin(operands, ctx=None, stream=None, first="a", handle=None):

@@ -31,7 +31,7 @@ cdef extern from *:
 
 # fault::Site, by name (the order of the enum).
 _FAULT_SITES = ("device_alloc", "pinned_alloc", "virtual_memory", "event", "stream", "cublas",
-                "synchronize")
+                "synchronize", "handshake", "copy")
 
 
 cdef int _fault_site(site) except -1:

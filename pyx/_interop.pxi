@@ -110,7 +110,7 @@ cdef CudaArray _cuda_array(uintptr_t ptr, tuple shape, tuple strides, int64_t si
     """`size`: the elements of `shape` (its producer's count, or _shape_size's for producers
     that may lie)."""
     cdef CudaArray a = CudaArray.__new__(CudaArray)
-    _require_mapped(ptr, size * _DTYPE_ITEMSIZE[dtype], device)
+    _require_mapped(ptr, shape, strides, _DTYPE_ITEMSIZE[dtype], device)
     a.ptr = ptr
     a.shape = shape
     a.strides = strides

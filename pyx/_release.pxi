@@ -5,7 +5,7 @@
 # raise WorkspaceStateError instead, until the retake. (Under the cudaMalloc fallback a view
 # keeps its own allocation alive and stays usable; nothing is refused.)
 
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport INT64_MAX, int64_t, uintptr_t
 
 
 # device -> InferenceContext, for the contexts whose workspace is released under virtual memory.
@@ -28,13 +28,33 @@ cdef int _require_accessible(DeviceView view, str what) except -1:
     return 0
 
 
-cdef int _require_mapped(uintptr_t ptr, int64_t nbytes, int device) except -1:
-    """Raises WorkspaceStateError when a kernel operand lies in a released workspace."""
+cdef int _require_mapped(uintptr_t ptr, tuple shape, tuple strides, int64_t itemsize,
+                         int device) except -1:
+    """Raises WorkspaceStateError when a kernel operand (`strides` in elements) reaches into a
+    released workspace: any byte from its lowest element's to its highest's, wherever its
+    strides (negative ones too) place them; an empty one at its pointer."""
     if not _released_contexts:
         return 0
     found = _released_contexts.get(device)
-    if found is not None and (<InferenceContext>found)._c.in_released_range(<const void*>ptr,
-                                                                             nbytes):
+    if found is None:
+        return 0
+    low = 0
+    high = 0
+    for n, step in zip(shape, strides):
+        if n == 0:
+            low = high = 0  # no element: the pointer alone
+            itemsize = 0
+            break
+        reach = (n - 1) * step * itemsize
+        if reach < 0:
+            low += reach
+        else:
+            high += reach
+    begin = max(<object>ptr + low, 0)
+    # (within int64, and not past the top of the address space, where the range test would wrap)
+    nbytes = min(max(<object>ptr + high + itemsize - begin, 0), INT64_MAX, (1 << 64) - 1 - begin)
+    if (<InferenceContext>found)._c.in_released_range(<const void*><uintptr_t>begin,
+                                                      <int64_t>nbytes):
         raise _WorkspaceStateError(_released_words(device, "a kernel operand"))
     return 0
 

@@ -215,9 +215,13 @@ cdef class DeviceView:
         cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
                                                                             "stream")
         self._ctx._order(producer, on, True)  # joined back below
-        _note_use(self, on)
-        _copy(host._ptr, self._ptr, self._nbytes, on, self._device)
-        host._track(self._device, on)
+        try:
+            _note_use(self, on)
+            _copy(host._ptr, self._ptr, self._nbytes, on, self._device)
+            host._track(self._device, on)
+        except BaseException:
+            _join_back_quietly(self._ctx, on, producer)
+            raise
         self._ctx._order(on, producer)
 
     def copy_from_host(self, pinned, stream=None):
@@ -234,9 +238,13 @@ cdef class DeviceView:
         cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
                                                                             "stream")
         self._ctx._order(producer, on, True)  # joined back below
-        _note_use(self, on)
-        _copy(self._ptr, host._ptr, self._nbytes, on, self._device)
-        host._track(self._device, on)
+        try:
+            _note_use(self, on)
+            _copy(self._ptr, host._ptr, self._nbytes, on, self._device)
+            host._track(self._device, on)
+        except BaseException:
+            _join_back_quietly(self._ctx, on, producer)
+            raise
         self._ctx._order(on, producer)
 
     cdef PinnedBuffer _host_copy(self):
@@ -380,6 +388,17 @@ cdef DeviceView new_device_view(int device, str dtype, tuple shape):
 def _empty(device, shape, dtype="float32"):
     """An uninitialised DeviceView of ``shape`` and ``dtype`` on ``device`` (None: current)."""
     return _new_view(_device_arg(device), _dtype_index(dtype, "dtype"), _shape_arg(shape, "shape"))
+
+
+cdef int _join_back_quietly(InferenceContext ctx, uintptr_t on, uintptr_t producer) except -1:
+    """`producer` waits for `on` after a copy that failed: `on` may have been made to join a
+    CUDA-graph capture of `producer`'s, which could not end otherwise. A failure here gives way
+    to the copy's error."""
+    try:
+        ctx._order(on, producer)
+    except Exception:
+        pass
+    return 0
 
 
 cdef int _copy(uintptr_t dst, uintptr_t src, int64_t nbytes, uintptr_t stream,

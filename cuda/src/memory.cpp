@@ -74,11 +74,11 @@ void copy_async(void* dst, const void* src, int64_t bytes, void* stream, int dev
   const auto s = static_cast<cudaStream_t>(stream);
   require_explicit_stream(s, "copy_async");
   if (device < 0) {
-    INFERCTX_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault, s), -1);
+    INFERCTX_CUDA_AT(copy, cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault, s), -1);
     return;
   }
   CurrentDeviceScope on(device);
-  INFERCTX_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault, s), device);
+  INFERCTX_CUDA_AT(copy, cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault, s), device);
 }
 
 }  // namespace inferctx

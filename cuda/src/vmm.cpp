@@ -247,9 +247,10 @@ bool VirtualAllocation::map_range(int64_t from, int64_t to, const void* restore,
       if (copy > 0) {
         // Queued now, it runs while the next chunk is being mapped.
         const auto* src = static_cast<const unsigned char*>(restore) + offset;
-        INFERCTX_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(static_cast<uintptr_t>(at)), src,
-                                      static_cast<size_t>(copy), cudaMemcpyHostToDevice, stream),
-                      device_);
+        INFERCTX_CUDA_AT(copy,
+                         cudaMemcpyAsync(reinterpret_cast<void*>(static_cast<uintptr_t>(at)), src,
+                                         static_cast<size_t>(copy), cudaMemcpyHostToDevice, stream),
+                         device_);
       }
       offset += n;
     }
@@ -338,8 +339,8 @@ void VirtualAllocation::unmap(void* save, cudaStream_t stream) {
     for (const Chunk& c : chunks_) {
       auto* dst = static_cast<unsigned char*>(save) + c.offset;
       const void* src = reinterpret_cast<const void*>(static_cast<uintptr_t>(base_ + c.offset));
-      INFERCTX_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(c.bytes), cudaMemcpyDeviceToHost, stream),
-                    device_);
+      INFERCTX_CUDA_AT(copy, cudaMemcpyAsync(dst, src, static_cast<size_t>(c.bytes), cudaMemcpyDeviceToHost, stream),
+                       device_);
       copied.push_back(std::make_unique<Event>(device_));
       copied.back()->record(stream);
     }

@@ -50,6 +50,8 @@ const char* site_name(Site s) {
     case Site::stream: return "stream";
     case Site::cublas: return "cublas";
     case Site::synchronize: return "synchronize";
+    case Site::handshake: return "handshake";
+    case Site::copy: return "copy";
   }
   return "?";
 }
@@ -76,8 +78,9 @@ int64_t free_memory() {
   return static_cast<int64_t>(f);
 }
 
-const Site kAllSites[] = {Site::device_alloc, Site::pinned_alloc, Site::virtual_memory, Site::event,
-                          Site::stream,       Site::cublas,       Site::synchronize};
+const Site kAllSites[] = {Site::device_alloc, Site::pinned_alloc, Site::virtual_memory,
+                          Site::event,        Site::stream,       Site::cublas,
+                          Site::synchronize,  Site::handshake,    Site::copy};
 
 std::string self_path() {
   char buf[4096];

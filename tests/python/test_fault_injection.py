@@ -1,6 +1,6 @@
 """Injected failures seen from Python: the N-th call at each kind of site fails (device and pool
 allocations, pinned allocations, virtual-memory calls, event and stream creation, cuBLAS
-statuses), for every N an operation reaches, and each time the operation must raise the Python
+statuses, stream joins, copies), for every N an operation reaches, and each time the operation must raise the Python
 exception of the documented class and leave the context as promised: the previous plan, its
 addresses and contents after a failed gen_workspace, still released after a failed retake, still
 held with its contents after a failed keep_contents release, the Philox state untouched by a
@@ -409,10 +409,11 @@ def test_gpu_a_failed_retake_leaves_the_context_released_and_the_next_retake_wor
 
 @pytest.mark.gpu
 @needs_hook
-@pytest.mark.parametrize("site", ["pinned_alloc", "event"])
+@pytest.mark.parametrize("site", ["pinned_alloc", "event", "copy"])
 def test_gpu_a_failed_keep_contents_release_keeps_the_workspace_and_its_bytes(faults, site):
     # pinned_alloc: the host copy; event: under virtual memory, each chunk's copy is followed by
-    # an event, all before anything is unmapped.
+    # an event, all before anything is unmapped; copy: the copy to the host (each chunk's under
+    # virtual memory, one under the fallback).
     if site == "event" and not faults.addresses_stable:
         pytest.skip("event: a keep_contents release under the cudaMalloc fallback makes no event "
                     "(one copy, then a stream synchronisation)")
@@ -537,6 +538,125 @@ def test_gpu_a_failed_autotune_keeps_the_cache_and_the_next_tunes(faults):
     assert each_failure(tune, site, oom_code(site), expected, check, setup=inferctx.clear_gemm_cache) >= 1
     assert len(tune()) == 1
     inferctx.clear_gemm_cache()
+
+
+def _capture_each_failure(torch, site, code, op, before=None, after=None):
+    """Under a CUDA-graph capture (torch.cuda.graph, on its own capturing stream) fails the nth
+    call at `site` with `code` inside `op(capturing)`, for n = 1, 2, ... until `op` completes
+    without reaching n. Each failed attempt must raise CudaError with the code, and leave the
+    capture able to end: every stream `op` pulled into it joined back (else capture_end raises
+    cudaErrorStreamCaptureUnjoined). `before(capturing)` / `after(capturing)` run unarmed
+    around it inside the capture. Returns the failures seen and the graph of the last capture."""
+    failures = 0
+    for nth in range(1, MAX_NTH + 1):
+        g = torch.cuda.CUDAGraph()
+        raised = None
+        with torch.cuda.graph(g):
+            capturing = torch.cuda.current_stream()
+            if before is not None:
+                before(capturing)
+            _core._fault_arm(site, nth, code)
+            try:
+                op(capturing)
+            except CudaError as exc:
+                raised = exc
+            finally:
+                reached = _core._fault_calls(site) >= nth
+                _core._fault_disarm_all()
+            if after is not None:
+                after(capturing)
+        # (torch.cuda.graph ended the capture here: it raises where a stream was left in it)
+        if raised is None:
+            assert not reached, f"{site} #{nth} was reached, yet the call succeeded"
+            return failures, g
+        assert reached, f"{site} #{nth} was not reached, yet the call raised {raised!r}"
+        assert raised.code == code, raised
+        failures += 1
+    raise AssertionError(f"{site}: still reached after {MAX_NTH} calls")
+
+
+@pytest.mark.gpu
+@needs_hook
+def test_gpu_a_call_failing_at_any_stream_join_under_capture_leaves_the_capture_able_to_end(torch, faults):
+    """gemm of a torch tensor and a DeviceView on ``stream=side`` in a CUDA-graph capture: side
+    joins the capture from torch's capturing stream and from ctx.stream (an adopted stream that
+    joined the capture), waits for the view's producer, and is joined back to both. Whichever of
+    these joins fails, the call raises CudaError with the code and the capture can still end:
+    the streams joined before the failure are joined back (the call's beginning), and a failed
+    join back does not stop the others (its end). The call that reaches no failure is captured
+    and its graph replays the exact product."""
+    device = faults.device
+    side = torch.cuda.Stream(device)
+    engine = torch.cuda.Stream(device)
+    a = torch.full((8, 8), 2.0, device=f"cuda:{device}")
+    b = _core._empty(device, (8, 8))
+    fill(b, np.full((8, 8), 3.0, np.float32))
+    faults.use_stream(engine)
+    try:
+        inferctx.gemm(a, b, stream=side)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        got = []
+        failures, g = _capture_each_failure(
+            torch, "handshake", 999, lambda capturing: got.append(inferctx.gemm(a, b, stream=side)),
+            before=lambda capturing: engine.wait_stream(capturing),  # ctx.stream joins the capture
+            after=lambda capturing: capturing.wait_stream(engine))
+        # The beginning's two joins, the view's, and the two joins back at the end.
+        assert failures >= 4, failures
+        a.fill_(5.0)
+        g.replay()
+        assert torch.equal(got[-1], torch.full((8, 8), 5.0 * 3.0 * 8, device=a.device))
+    finally:
+        torch.cuda.synchronize()
+        faults.use_stream(None)
+
+
+@pytest.mark.gpu
+@needs_hook
+@pytest.mark.parametrize("direction", ["to_host", "from_host"])
+def test_gpu_a_failed_copy_under_capture_joins_its_stream_back(torch, faults, direction):
+    """A DeviceView's copy on ``stream=side`` in a CUDA-graph capture: side joins the capture
+    from ctx.stream (an adopted stream that joined it) before the copy. When the copy fails, the
+    call raises CudaError with the code and joins side back, so the capture can end; the next
+    copy, outside the capture, moves the bytes."""
+    device = faults.device
+    side = torch.cuda.Stream(device)
+    engine = torch.cuda.Stream(device)
+    view = _core._empty(device, (1024,))
+    values = (np.arange(1024) * 3 % 101).astype(np.float32)
+    buf = pinned_of(values)
+    faults.use_stream(engine)
+    try:
+        copy = view.copy_to_host if direction == "to_host" else view.copy_from_host
+        for code in codes("copy"):
+            g = torch.cuda.CUDAGraph()
+            raised = None
+            with torch.cuda.graph(g):
+                capturing = torch.cuda.current_stream()
+                engine.wait_stream(capturing)  # ctx.stream joins the capture
+                _core._fault_arm("copy", 1, code)
+                try:
+                    copy(buf, stream=side)
+                except CudaError as exc:
+                    raised = exc
+                finally:
+                    reached = _core._fault_calls("copy") >= 1
+                    _core._fault_disarm_all()
+                capturing.wait_stream(engine)
+            # (torch.cuda.graph ended the capture here: it raises where side was left in it)
+            assert reached and raised is not None and raised.code == code, raised
+            del g
+        torch.cuda.synchronize()
+    finally:
+        faults.use_stream(None)
+    if direction == "from_host":
+        view.copy_from_host(buf)
+        assert np.array_equal(host_values(view).view(np.float32), values)
+    else:
+        fill(view, values[::-1].copy())
+        out = inferctx.PinnedBuffer(view.nbytes)
+        view.copy_to_host(out)
+        out.synchronize()
+        assert np.array_equal(np.frombuffer(out, dtype=np.float32), values[::-1])
 
 
 _CREATE = textwrap.dedent("""

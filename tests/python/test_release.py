@@ -221,6 +221,48 @@ def test_while_released_views_refuse_exports_and_kernels_refuse_its_addresses(ct
     assert set(torch.unique(y.float()).tolist()) <= {0.0, 2.0}
 
 
+class _Interface:
+    """A bare __cuda_array_interface__ (version 3, no stream) with the given fields."""
+
+    def __init__(self, ptr, typestr, shape, strides):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "typestr": typestr, "shape": shape,
+                                         "strides": strides, "version": 3}
+
+
+@pytest.mark.gpu
+def test_while_released_an_operand_whose_strides_reach_into_the_workspace_is_refused(ctx, torch):
+    """An operand that starts outside the released workspace but whose strides place an element
+    inside it (either way: the stride is negative where the workspace lies below) is refused as
+    one that starts there, before anything is launched; with the same start and one element
+    (nothing inside the workspace) it is taken."""
+    stable_only(ctx)
+    import inferctx
+
+    fresh_plan(ctx)
+    k, _ = ctx.kv_cache(0)
+    inside = k.ptr + 256
+    elsewhere = torch.zeros(1024, dtype=torch.uint8, device=f"cuda:{ctx.device}")
+    start = elsewhere.data_ptr()
+    ctx.release_workspace()
+    try:
+        reaching = _Interface(start, "|u1", (2,), (inside - start,))
+        for call in (lambda: _core._as_cuda_array(reaching),
+                     lambda: inferctx.dropout(reaching, 0.5)):
+            with pytest.raises(WorkspaceStateError, match="a kernel operand"):
+                call()
+        # Two dimensions, the reaching one last, and float32 items (strides in bytes, 4 each).
+        step = (inside - start) // 4 * 4
+        reaching_2d = _Interface(start, "<f4", (1, 2), (8, step))
+        assert start + step >= k.ptr and start + step < k.ptr + k.nbytes
+        with pytest.raises(WorkspaceStateError, match="a kernel operand"):
+            _core._as_cuda_array(reaching_2d)
+        alone = _core._as_cuda_array(_Interface(start, "|u1", (1,), (inside - start,)))
+        assert alone.ptr == start and alone.size == 1
+    finally:
+        ctx.retake_workspace()
+    assert _core._as_cuda_array(reaching).ptr == start  # held again: taken
+
+
 # -- contents ---------------------------------------------------------------------------------
 
 @pytest.mark.gpu

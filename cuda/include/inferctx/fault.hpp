@@ -1,6 +1,7 @@
 // Test-only failure injection: makes the N-th call at one kind of site fail with a chosen code,
 // so that tests can reach every error path of the allocations, virtual-memory calls, stream and
-// event creation, cuBLAS calls and the pool's device synchronisations. Compiled in only with
+// event creation, cuBLAS calls, the pool's device synchronisations, the stream handshakes and the
+// asynchronous copies. Compiled in only with
 // INFERCTX_FAULT_INJECTION (CMake option of the same name, which the ctest build turns on); in
 // every other build `invoke` is the call itself and `injected` is a constant 0, so release builds
 // carry none of it.
@@ -18,8 +19,10 @@ enum class Site : int {
   stream = 4,          // cudaStreamCreate*
   cublas = 5,          // every cuBLAS / cuBLASLt status checked (the call runs; its status is replaced)
   synchronize = 6,     // the pool's cudaDeviceSynchronize (a block's unordered free, trim)
+  handshake = 7,       // a stream join of the Python layer (its cudaEventRecord + cudaStreamWaitEvent)
+  copy = 8,            // cudaMemcpyAsync of copy_async and of the workspace's kept contents
 };
-inline constexpr int kSiteCount = 7;
+inline constexpr int kSiteCount = 9;
 
 #if defined(INFERCTX_FAULT_INJECTION) && INFERCTX_FAULT_INJECTION
 inline constexpr bool kCompiledIn = true;
