@@ -52,6 +52,40 @@ def settled_free_memory(ctx):
     return _core._memory_info(ctx.device)[0]
 
 
+def _holder_name(obj) -> str:
+    """A holder as a leak report names it: a frame by its function, a function by its name, a
+    traceback by the function of its frame, anything else by its type."""
+    if hasattr(obj, "f_code"):
+        return f"frame of {obj.f_code.co_name}"
+    if type(obj).__name__ == "function":
+        return f"function {obj.__qualname__}"
+    if type(obj).__name__ == "traceback":
+        return f"traceback of {obj.tb_frame.f_code.co_name}"
+    return type(obj).__name__
+
+
+_VAGUE = ("cell", "list", "dict", "tuple", "frame")
+
+
+def _is_report_frame(obj) -> bool:
+    """A frame of the report's own functions (their locals hold what they look at)."""
+    return getattr(obj, "f_code", None) in (_holders_back.__code__, live_views_report.__code__)
+
+
+def _holders_back(obj, depth: int, skip: set) -> list:
+    """Lines naming what holds `obj` where its own name says little (_VAGUE), and so on back,
+    `depth` steps in so far (at most 3); `skip`: ids of the report's own containers."""
+    if depth > 3 or type(obj).__name__ not in _VAGUE:
+        return []
+    found = [r for r in gc.get_referrers(obj) if id(r) not in skip and not _is_report_frame(r)]
+    inner = skip | {id(found)}
+    lines = [f"{'  ' * (depth + 1)}{_holder_name(obj)} held by "
+             f"{', '.join(sorted({_holder_name(r) for r in found})) or 'nothing seen'}"]
+    for i in range(min(len(found), 4)):  # (by index, as above)
+        lines.extend(_holders_back(found[i], depth + 1, inner))
+    return lines
+
+
 def live_views_report(limit: int = 8, device_type: str = "cuda") -> str:
     """The DeviceViews alive and what holds each, for the message of a failed leak or release
     check: a view that only C code holds (a DLPack export, a capsule) shows no Python holder."""
@@ -66,15 +100,21 @@ def live_views_report(limit: int = 8, device_type: str = "cuda") -> str:
                and o.device.type == device_type]
     del objects
     here = sys._getframe()
-    for view in views[:limit]:
-        holders = sorted({type(r).__name__ for r in gc.get_referrers(view) if r is not views})
-        lines.append(f"  {view!r} held by {', '.join(holders) or 'no Python object (a DLPack capsule?)'}")
+    for v in range(min(len(views), limit)):  # (by index: a slice would hold the views too)
+        view = views[v]
+        holders = [r for r in gc.get_referrers(view) if r is not views and r is not here]
+        names = sorted({_holder_name(r) for r in holders})
+        lines.append(f"  {view!r} held by {', '.join(names) or 'no Python object (a DLPack capsule?)'}")
+        # Further back, for the holders that say least alone (a closure's cell, a list, a dict,
+        # a tuple, a frame kept by a traceback): what holds each of them, up to three steps.
+        for i in range(min(len(holders), limit)):  # (by index: an iterator would hold the list)
+            lines.extend(_holders_back(holders[i], 1, {id(holders), id(views), id(here)}))
         # A view that only a capsule holds lives as long as the array imported from it: name the
         # torch tensors over its memory and what holds them (a frame names its function).
         for t in tensors:
             if view.ptr <= t.data_ptr() < view.ptr + max(view.nbytes, 1):
-                refs = sorted({f"frame of {r.f_code.co_name}" if hasattr(r, "f_code") else type(r).__name__
-                               for r in gc.get_referrers(t) if r is not tensors and r is not here})
+                refs = sorted({_holder_name(r) for r in gc.get_referrers(t)
+                               if r is not tensors and r is not here})
                 lines.append(f"    tensor {tuple(t.shape)} at {t.data_ptr():#x} held by {', '.join(refs) or 'nothing seen'}")
     return "\n".join(lines)
 

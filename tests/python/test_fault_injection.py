@@ -593,7 +593,9 @@ def test_gpu_a_call_failing_at_any_stream_join_under_capture_leaves_the_capture_
     fill(b, np.full((8, 8), 3.0, np.float32))
     faults.use_stream(engine)
     try:
-        inferctx.gemm(a, b, stream=side)  # warm-up outside the capture
+        # Warm-up outside the capture, on torch's stream (whose cuBLAS workspace the fixture took):
+        # side, first seen capturing, runs its GEMMs without one, so the pool takes no block.
+        inferctx.gemm(a, b)
         torch.cuda.synchronize()
         got = []
         failures, g = _capture_each_failure(

@@ -537,9 +537,10 @@ def gpu(torch, ctx):
     free_a, held_a, pool_a = after
     # Memory the workspace holds is the plan's (kept when a later plan is smaller): not a leak.
     lost = (free_b - free_a) - (held_a - held_b)
-    assert lost <= LEAK_TOLERANCE, (before, after, live_views_report())
+    # (str messages: pytest prints them whole, where it would shorten a tuple's repr)
+    assert lost <= LEAK_TOLERANCE, f"{before}\n{after}\n{live_views_report()}"
     assert pool_a["used_bytes"] <= pool_b["used_bytes"] and pool_a["allocations"] <= pool_b["allocations"], \
-        (pool_b, pool_a, live_views_report())
+        f"{pool_b}\n{pool_a}\n{live_views_report()}"
     assert pool_a["reserved_bytes"] <= pool_b["reserved_bytes"] + LEAK_TOLERANCE, (pool_b, pool_a)
     healthy(torch, ctx)
 

@@ -676,8 +676,9 @@ def _threads_go_on_during_release(ctx):
 
 def test_the_live_views_report_names_the_tensors_over_a_view_and_what_holds_them(monkeypatch):
     # What fresh_plan and the fuzz fixture print when views outlive their test: each view with the
-    # types holding it, and the tensors over its memory with theirs, a frame by its function's name
-    # (a finished test's frame that a stored exception keeps). Shown on the CPU with a stand-in view
+    # types holding it, what holds those (up to three steps back), and the tensors over its memory
+    # with theirs, a frame by its function's name (a finished test's frame that a stored
+    # exception keeps). Shown on the CPU with a stand-in view
     # over a CPU tensor's memory.
     torch = pytest.importorskip("torch")
     import inferctx
@@ -707,4 +708,9 @@ def test_the_live_views_report_names_the_tensors_over_a_view_and_what_holds_them
     assert "<view at 0x10000000000> held by list" in report
     tensor_lines = [line for line in lines if line.startswith("    tensor (16,)")]
     assert len(tensor_lines) == 1 and "frame of a_test_that_raised" in tensor_lines[0], report
+    # Back from the list that holds the views: the closure's cell, the function and the frame
+    # that hold it, and the stored exception's traceback that keeps that frame.
+    assert "    list held by cell" in lines, report
+    assert "      cell held by frame of a_test_that_raised, tuple" in lines, report
+    assert ("        frame of a_test_that_raised held by traceback of a_test_that_raised" in lines), report
     assert stored.__traceback__ is not None
