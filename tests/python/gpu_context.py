@@ -64,7 +64,8 @@ def _holder_name(obj) -> str:
     return type(obj).__name__
 
 
-_VAGUE = ("cell", "list", "dict", "tuple", "frame")
+_VAGUE = ("cell", "list", "dict", "tuple", "frame", "traceback")
+_STEPS_BACK = 5
 
 
 def _is_report_frame(obj) -> bool:
@@ -73,15 +74,16 @@ def _is_report_frame(obj) -> bool:
 
 
 def _holders_back(obj, depth: int, skip: set) -> list:
-    """Lines naming what holds `obj` where its own name says little (_VAGUE), and so on back,
-    `depth` steps in so far (at most 3); `skip`: ids of the report's own containers."""
-    if depth > 3 or type(obj).__name__ not in _VAGUE:
+    """Lines naming what holds `obj` where its own name says little (_VAGUE: a stored exception
+    shows as the traceback that keeps a frame), and so on back, `depth` steps in so far (at most
+    _STEPS_BACK); `skip`: ids of the report's own containers."""
+    if depth > _STEPS_BACK or type(obj).__name__ not in _VAGUE:
         return []
     found = [r for r in gc.get_referrers(obj) if id(r) not in skip and not _is_report_frame(r)]
     inner = skip | {id(found)}
     lines = [f"{'  ' * (depth + 1)}{_holder_name(obj)} held by "
              f"{', '.join(sorted({_holder_name(r) for r in found})) or 'nothing seen'}"]
-    for i in range(min(len(found), 4)):  # (by index, as above)
+    for i in range(min(len(found), 3)):  # (by index, as above)
         lines.extend(_holders_back(found[i], depth + 1, inner))
     return lines
 
@@ -106,9 +108,11 @@ def live_views_report(limit: int = 8, device_type: str = "cuda") -> str:
         names = sorted({_holder_name(r) for r in holders})
         lines.append(f"  {view!r} held by {', '.join(names) or 'no Python object (a DLPack capsule?)'}")
         # Further back, for the holders that say least alone (a closure's cell, a list, a dict,
-        # a tuple, a frame kept by a traceback): what holds each of them, up to three steps.
+        # a tuple, a frame kept by a traceback): what holds each of them, a few steps back.
+        back = []
         for i in range(min(len(holders), limit)):  # (by index: an iterator would hold the list)
-            lines.extend(_holders_back(holders[i], 1, {id(holders), id(views), id(here)}))
+            back.extend(_holders_back(holders[i], 1, {id(holders), id(views), id(here)}))
+        lines.extend(back[:30] + ([f"    ... {len(back) - 30} more lines"] if len(back) > 30 else []))
         # A view that only a capsule holds lives as long as the array imported from it: name the
         # torch tensors over its memory and what holds them (a frame names its function).
         for t in tensors:

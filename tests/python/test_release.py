@@ -676,7 +676,7 @@ def _threads_go_on_during_release(ctx):
 
 def test_the_live_views_report_names_the_tensors_over_a_view_and_what_holds_them(monkeypatch):
     # What fresh_plan and the fuzz fixture print when views outlive their test: each view with the
-    # types holding it, what holds those (up to three steps back), and the tensors over its memory
+    # types holding it, what holds those (a few steps back), and the tensors over its memory
     # with theirs, a frame by its function's name (a finished test's frame that a stored
     # exception keeps). Shown on the CPU with a stand-in view
     # over a CPU tensor's memory.
@@ -713,4 +713,7 @@ def test_the_live_views_report_names_the_tensors_over_a_view_and_what_holds_them
     assert "    list held by cell" in lines, report
     assert "      cell held by frame of a_test_that_raised, tuple" in lines, report
     assert ("        frame of a_test_that_raised held by traceback of a_test_that_raised" in lines), report
+    # ... the traceback's chain, and at its head the stored exception
+    assert ("            traceback of test_the_live_views_report_names_the_tensors_over_a_view_and_"
+            "what_holds_them held by RuntimeError" in lines), report
     assert stored.__traceback__ is not None
