@@ -81,8 +81,14 @@ def _holders_back(obj, depth: int, skip: set) -> list:
         return []
     found = [r for r in gc.get_referrers(obj) if id(r) not in skip and not _is_report_frame(r)]
     inner = skip | {id(found)}
-    lines = [f"{'  ' * (depth + 1)}{_holder_name(obj)} held by "
-             f"{', '.join(sorted({_holder_name(r) for r in found})) or 'nothing seen'}"]
+    # References the collector cannot show: a running function's locals, C code's, or one never
+    # given back. All of obj's but those of `found`, of this call's argument and getrefcount's,
+    # and of the caller's list.
+    unseen = sys.getrefcount(obj) - 3 - len(found)
+    names = ", ".join(sorted({_holder_name(r) for r in found})) or "nothing seen"
+    if unseen > 0:
+        names += f" (and {unseen} unseen reference(s))"
+    lines = [f"{'  ' * (depth + 1)}{_holder_name(obj)} held by {names}"]
     for i in range(min(len(found), 3)):  # (by index, as above)
         lines.extend(_holders_back(found[i], depth + 1, inner))
     return lines

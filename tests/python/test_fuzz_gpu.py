@@ -92,11 +92,7 @@ class Raised:
     """The outcome of a call that raised an allowed error."""
 
     def __init__(self, exc):
-        # Without its traceback, whose frames (attempt's, and through it the case's own) hold the
-        # case's locals, its arrays among them: for as long as anything keeps this outcome, they
-        # would stay alive too (under compute-sanitizer the fixture's leak check found views kept
-        # so; docs/reliability.md).
-        self.exc = exc.with_traceback(None)
+        self.exc = exc
 
     def __repr__(self):
         return f"Raised({type(self.exc).__name__}: {str(self.exc)[:200]})"

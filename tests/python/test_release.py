@@ -5,6 +5,7 @@ fallback (INFERCTX_DISABLE_VMM=1), whose tests run in a child pytest of their ow
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import subprocess
@@ -702,16 +703,27 @@ def test_the_live_views_report_names_the_tensors_over_a_view_and_what_holds_them
         a_test_that_raised()
     except RuntimeError as exc:
         stored = exc
-    report = live_views_report(device_type="cpu")
+    # A list that only a reference no Python object shows keeps alive (as C code's would).
+    unseen = [View(1 << 41, 8)]
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(unseen))
+    address = id(unseen)
+    del unseen
+    try:
+        report = live_views_report(device_type="cpu")
+    finally:
+        ctypes.pythonapi.Py_DecRef(ctypes.cast(address, ctypes.py_object))
     lines = report.splitlines()
-    assert lines[0] == "2 DeviceView(s) alive", report
+    assert lines[0] == "3 DeviceView(s) alive", report
+    assert "  <view at 0x20000000000> held by list" in lines, report
+    assert "    list held by nothing seen (and 1 unseen reference(s))" in lines, report
     assert "<view at 0x10000000000> held by list" in report
     tensor_lines = [line for line in lines if line.startswith("    tensor (16,)")]
     assert len(tensor_lines) == 1 and "frame of a_test_that_raised" in tensor_lines[0], report
     # Back from the list that holds the views: the closure's cell, the function and the frame
     # that hold it, and the stored exception's traceback that keeps that frame.
     assert "    list held by cell" in lines, report
-    assert "      cell held by frame of a_test_that_raised, tuple" in lines, report
+    # (the unseen reference: the running test's own local)
+    assert "      cell held by frame of a_test_that_raised, tuple (and 1 unseen reference(s))" in lines, report
     assert ("        frame of a_test_that_raised held by traceback of a_test_that_raised" in lines), report
     # ... the traceback's chain, and at its head the stored exception
     assert ("            traceback of test_the_live_views_report_names_the_tensors_over_a_view_and_"
