@@ -82,9 +82,14 @@ def fresh_plan(ctx, **overrides):
     """The small plan (with `overrides`) mapped afresh: released first with no view alive, so the
     workspace holds exactly the plan's bytes."""
     gc.collect()
+    if ctx.views_alive:
+        # Under virtual memory the release below would not refuse, and the plan after it would map
+        # the whole earlier workspace back for them: say which views an earlier test left alive.
+        raise AssertionError(f"{ctx.views_alive} view(s) of the workspace alive before a fresh plan\n"
+                             f"{live_views_report()}")
     try:
         ctx.release_workspace()
-    except WorkspaceInUseError as refused:  # say which views an earlier test left alive
+    except WorkspaceInUseError as refused:  # (the fallback's refusal, should one appear meanwhile)
         raise AssertionError(f"{refused}\n{live_views_report()}") from refused
     plan = plan_small(ctx, **overrides)
     assert ctx.held_bytes == plan.workspace_bytes
