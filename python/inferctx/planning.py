@@ -291,9 +291,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def _mp_hint(shape: ModelShape, fields: dict[str, Any]) -> str | None:
-    """For weights (from the parameter count) above free memory: the smallest mp_size that
-    splits them below it, or the most the heads allow."""
-    if shape.num_params is None or fields["weights_bytes"] <= fields["free_bytes"]:
+    """For weights (from the parameter count) that take all of free memory or more: the smallest
+    mp_size that splits them below it, or the most the heads allow."""
+    if shape.num_params is None or fields["weights_bytes"] < fields["free_bytes"]:
         return None
     deepspeed = fields["policy"] == POLICIES["deepspeed"]  # its KV cache splits num_heads only
     most = shape.num_heads if deepspeed else math.gcd(shape.num_heads, shape.num_kv_heads)

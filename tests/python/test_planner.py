@@ -623,6 +623,22 @@ def test_weights_above_free_memory_say_which_mp_size_splits_them():
     assert pickle.loads(pickle.dumps(info.value)).message == info.value.message
 
 
+def test_weights_that_take_exactly_all_free_memory_get_the_mp_size_advice():
+    # llama-2-7b: 6,738,415,616 parameters x 2 B = 13,476,831,232 B of weights, and exactly that
+    # much free: nothing is left for the workspace, and a split leaves half of it.
+    weights = 6_738_415_616 * 2
+    kw = dict(batch_size=1, prompt_len=1, max_out_tokens=16, free_bytes=weights, total_bytes=2 * weights,
+              weights_bytes="auto")
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("llama-2-7b", **kw)
+    # / 2 = 6,738,415,616 B = 6.28 GiB
+    assert str(info.value).endswith("; mp_size=2 would put 6.28 GiB of weights on each GPU"), str(info.value)
+    # One byte more free: the weights no longer take it all, and the advice is not given.
+    with pytest.raises(WorkspaceOOMError) as info:
+        plan_workspace("llama-2-7b", **{**kw, "free_bytes": weights + 1})
+    assert "mp_size=" not in str(info.value), str(info.value)
+
+
 def test_weights_given_in_bytes_get_no_mp_size_advice():
     # weights_bytes given is per GPU already: neither mp_size nor dtype changes it.
     with pytest.raises(WorkspaceOOMError) as info:
