@@ -73,12 +73,14 @@ def _is_report_frame(obj) -> bool:
     return getattr(obj, "f_code", None) in (_holders_back.__code__, live_views_report.__code__)
 
 
-def _holders_back(obj, depth: int, skip: set) -> list:
+def _holders_back(obj, depth: int, skip: set, budget: list) -> list:
     """Lines naming what holds `obj` where its own name says little (_VAGUE: a stored exception
     shows as the traceback that keeps a frame), and so on back, `depth` steps in so far (at most
-    _STEPS_BACK); `skip`: ids of the report's own containers."""
-    if depth > _STEPS_BACK or type(obj).__name__ not in _VAGUE:
+    _STEPS_BACK); `skip`: ids of the report's own containers; `budget`: [the referrer searches
+    the report may still make] (each scans every object, so a report makes a bounded number)."""
+    if depth > _STEPS_BACK or type(obj).__name__ not in _VAGUE or budget[0] <= 0:
         return []
+    budget[0] -= 1
     found = [r for r in gc.get_referrers(obj) if id(r) not in skip and not _is_report_frame(r)]
     inner = skip | {id(found)}
     # References the collector cannot show: a running function's locals, C code's, or one never
@@ -90,7 +92,7 @@ def _holders_back(obj, depth: int, skip: set) -> list:
         names += f" (and {unseen} unseen reference(s))"
     lines = [f"{'  ' * (depth + 1)}{_holder_name(obj)} held by {names}"]
     for i in range(min(len(found), 3)):  # (by index, as above)
-        lines.extend(_holders_back(found[i], depth + 1, inner))
+        lines.extend(_holders_back(found[i], depth + 1, inner, budget))
     return lines
 
 
@@ -108,6 +110,7 @@ def live_views_report(limit: int = 8, device_type: str = "cuda") -> str:
                and o.device.type == device_type]
     del objects
     here = sys._getframe()
+    budget = [100]  # searches of the holders' holders, in all
     for v in range(min(len(views), limit)):  # (by index: a slice would hold the views too)
         view = views[v]
         holders = [r for r in gc.get_referrers(view) if r is not views and r is not here]
@@ -117,7 +120,7 @@ def live_views_report(limit: int = 8, device_type: str = "cuda") -> str:
         # a tuple, a frame kept by a traceback): what holds each of them, a few steps back.
         back = []
         for i in range(min(len(holders), limit)):  # (by index: an iterator would hold the list)
-            back.extend(_holders_back(holders[i], 1, {id(holders), id(views), id(here)}))
+            back.extend(_holders_back(holders[i], 1, {id(holders), id(views), id(here)}, budget))
         lines.extend(back[:30] + ([f"    ... {len(back) - 30} more lines"] if len(back) > 30 else []))
         # A view that only a capsule holds lives as long as the array imported from it: name the
         # torch tensors over its memory and what holds them (a frame names its function).
