@@ -1,10 +1,11 @@
 """Injected failures seen from Python: the N-th call at each kind of site fails (device and pool
 allocations, pinned allocations, virtual-memory calls, event and stream creation, cuBLAS
 statuses, stream joins, copies), for every N an operation reaches, and each time the operation
-must raise the Python exception of the documented class and leave the context as promised: the previous plan, its
-addresses and contents after a failed gen_workspace, still released after a failed retake, still
-held with its contents after a failed keep_contents release, the Philox state untouched by a
-kernel call that failed before its launch, no memory lost, and the next call right.
+must raise the Python exception of the documented class and leave the context as promised: the
+previous plan, its addresses and contents after a failed gen_workspace, still released after a
+failed retake, still held with its contents after a failed keep_contents release, the Philox
+state untouched by a kernel call that failed before its launch, a CUDA-graph capture still able
+to end after a call in it failed, no memory lost, and the next call right.
 
 Every operation is required to reach the site it fails at least once (an armed site that the
 operation never reaches injects nothing). Where a site is reached in one workspace only (the
