@@ -378,10 +378,8 @@ cdef class _Call:
         """finish() for a call given up after _begin_call (an argument refused, a launch that
         failed): a stream it made join a CUDA-graph capture is joined back, or the capture could
         not end. A failure here gives way to the error that ended the call."""
-        try:
-            self.finish()
-        except Exception:
-            pass
+        if self._joins:
+            _join_back(self.ctx, self.kernel, self._joins, len(self._joins), True)
         return 0
 
     # Python-level access for python/inferctx/gemm.py
@@ -492,25 +490,23 @@ cdef _Call _begin_call(tuple operands, object ctx, object stream, str first="x",
             # The streams joined so far may have made the kernel's stream join a CUDA-graph
             # capture: joined back, or the capture could not end. The error that ended the call
             # is the one raised.
-            try:
-                _join_back(context, call.kernel, joins, forked)
-            except Exception:
-                pass
+            _join_back(context, call.kernel, joins, forked, True)
             raise
     return call
 
 
-cdef int _join_back(InferenceContext ctx, uintptr_t kernel, list streams,
-                    Py_ssize_t count) except -1:
+cdef int _join_back(InferenceContext ctx, uintptr_t kernel, list streams, Py_ssize_t count,
+                    bint quiet=False) except -1:
     """The first `count` of `streams` wait for the work queued on `kernel`: every one is tried,
-    and the first error is raised once all were."""
+    and the first error is raised once all were. `quiet`: on an error path, whose own error is
+    the one to raise: an Exception here is let go (a KeyboardInterrupt still comes through)."""
     cdef object failed = None
     cdef Py_ssize_t i
     for i in range(count):
         try:
             ctx._order(kernel, <uintptr_t>streams[i])
         except BaseException as error:
-            if failed is None:
+            if failed is None and not (quiet and isinstance(error, Exception)):
                 failed = error
     if failed is not None:
         raise failed

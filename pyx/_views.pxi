@@ -220,7 +220,9 @@ cdef class DeviceView:
             _copy(host._ptr, self._ptr, self._nbytes, on, self._device)
             host._track(self._device, on)
         except BaseException:
-            _join_back_quietly(self._ctx, on, producer)
+            # `on` may have been made to join a CUDA-graph capture of `producer`'s: joined back,
+            # or the capture could not end (the copy's error is the one raised)
+            _join_back(self._ctx, on, [producer], 1, True)
             raise
         self._ctx._order(on, producer)
 
@@ -243,7 +245,9 @@ cdef class DeviceView:
             _copy(self._ptr, host._ptr, self._nbytes, on, self._device)
             host._track(self._device, on)
         except BaseException:
-            _join_back_quietly(self._ctx, on, producer)
+            # `on` may have been made to join a CUDA-graph capture of `producer`'s: joined back,
+            # or the capture could not end (the copy's error is the one raised)
+            _join_back(self._ctx, on, [producer], 1, True)
             raise
         self._ctx._order(on, producer)
 
@@ -388,17 +392,6 @@ cdef DeviceView new_device_view(int device, str dtype, tuple shape):
 def _empty(device, shape, dtype="float32"):
     """An uninitialised DeviceView of ``shape`` and ``dtype`` on ``device`` (None: current)."""
     return _new_view(_device_arg(device), _dtype_index(dtype, "dtype"), _shape_arg(shape, "shape"))
-
-
-cdef int _join_back_quietly(InferenceContext ctx, uintptr_t on, uintptr_t producer) except -1:
-    """`producer` waits for `on` after a copy that failed: `on` may have been made to join a
-    CUDA-graph capture of `producer`'s, which could not end otherwise. A failure here gives way
-    to the copy's error."""
-    try:
-        ctx._order(on, producer)
-    except Exception:
-        pass
-    return 0
 
 
 cdef int _copy(uintptr_t dst, uintptr_t src, int64_t nbytes, uintptr_t stream,

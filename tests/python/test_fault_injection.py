@@ -541,39 +541,27 @@ def test_gpu_a_failed_autotune_keeps_the_cache_and_the_next_tunes(faults):
     inferctx.clear_gemm_cache()
 
 
-def _capture_each_failure(torch, site, code, op, before=None, after=None):
-    """Under a CUDA-graph capture (torch.cuda.graph, on its own capturing stream) fails the nth
-    call at `site` with `code` inside `op(capturing)`, for n = 1, 2, ... until `op` completes
-    without reaching n. Each failed attempt must raise CudaError with the code, and leave the
-    capture able to end: every stream `op` pulled into it joined back (else capture_end raises
-    cudaErrorStreamCaptureUnjoined). `before(capturing)` / `after(capturing)` run unarmed
-    around it inside the capture. Returns the failures seen and the graph of the last capture."""
-    failures = 0
-    for nth in range(1, MAX_NTH + 1):
+def captured(torch, op, engine):
+    """A callable for each_failure: `op()` in a CUDA-graph capture (torch.cuda.graph, on its own
+    capturing stream), with `engine` (ctx.stream, adopted) made to join the capture before it
+    and joined back after. A CudaError from `op` is raised once the capture has ended, which
+    torch.cuda.graph does only where every stream `op` pulled into the capture was joined back
+    (else capture_end raises cudaErrorStreamCaptureUnjoined). Returns the graph."""
+    def run():
         g = torch.cuda.CUDAGraph()
         raised = None
         with torch.cuda.graph(g):
             capturing = torch.cuda.current_stream()
-            if before is not None:
-                before(capturing)
-            _core._fault_arm(site, nth, code)
+            engine.wait_stream(capturing)
             try:
-                op(capturing)
+                op()
             except CudaError as exc:
                 raised = exc
-            finally:
-                reached = _core._fault_calls(site) >= nth
-                _core._fault_disarm_all()
-            if after is not None:
-                after(capturing)
-        # (torch.cuda.graph ended the capture here: it raises where a stream was left in it)
-        if raised is None:
-            assert not reached, f"{site} #{nth} was reached, yet the call succeeded"
-            return failures, g
-        assert reached, f"{site} #{nth} was not reached, yet the call raised {raised!r}"
-        assert raised.code == code, raised
-        failures += 1
-    raise AssertionError(f"{site}: still reached after {MAX_NTH} calls")
+            capturing.wait_stream(engine)
+        if raised is not None:
+            raise raised
+        return g
+    return run
 
 
 @pytest.mark.gpu
@@ -599,36 +587,24 @@ def test_gpu_a_call_failing_at_any_stream_join_under_capture_leaves_the_capture_
     b = _core._empty(device, (8, 8))
     fill(b, np.full((8, 8), 3.0, np.float32))
     got = []
-
-    def call(capturing):
-        got.append(inferctx.gemm(a, b, stream=side))
-
-    def join_engine(capturing):
-        engine.wait_stream(capturing)  # ctx.stream joins the capture
-
-    def join_back(capturing):
-        capturing.wait_stream(engine)
-
+    run = captured(torch, lambda: got.append(inferctx.gemm(a, b, stream=side)), engine)
     ctx.use_stream(engine)
     try:
         # Warm-up, on torch's stream outside a capture (side, first seen capturing, runs its
         # GEMMs without a cuBLAS workspace, so the pool takes no block for it), then in a capture.
         inferctx.gemm(a, b)
-        warm = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(warm):
-            capturing = torch.cuda.current_stream()
-            join_engine(capturing)
-            call(capturing)
-            join_back(capturing)
-        warm.replay()
-        del warm
+        run().replay()
         got.clear()
         free0 = settled_free_memory(ctx)
         pool0 = ctx.memory_pool.stats()
-        failures, g = _capture_each_failure(torch, "handshake", 999, call, before=join_engine,
-                                            after=join_back)
+
+        def check(exc):
+            assert exc.code == 999, exc
+
+        failures = each_failure(run, "handshake", 999, (CudaError,), check)
         # The beginning's two joins, the view's, and the two joins back at the end.
         assert failures >= 4, failures
+        g = run()  # nothing armed: the call is captured
         a.fill_(5.0)
         g.replay()
         assert torch.equal(got[-1], torch.full((8, 8), 5.0 * 3.0 * 8, device=a.device))
@@ -662,24 +638,18 @@ def test_gpu_a_failed_copy_under_capture_joins_its_stream_back(torch, faults, di
     faults.use_stream(engine)
     try:
         copy = view.copy_to_host if direction == "to_host" else view.copy_from_host
+        # Only the first copy fails (each_failure would go on to a copy that succeeds in the
+        # capture, which this test does not ask about).
+        run = captured(torch, lambda: copy(buf, stream=side), engine)
         for code in codes("copy"):
-            g = torch.cuda.CUDAGraph()
-            raised = None
-            with torch.cuda.graph(g):
-                capturing = torch.cuda.current_stream()
-                engine.wait_stream(capturing)  # ctx.stream joins the capture
-                _core._fault_arm("copy", 1, code)
-                try:
-                    copy(buf, stream=side)
-                except CudaError as exc:
-                    raised = exc
-                finally:
-                    reached = _core._fault_calls("copy") >= 1
-                    _core._fault_disarm_all()
-                capturing.wait_stream(engine)
-            # (torch.cuda.graph ended the capture here: it raises where side was left in it)
-            assert reached and raised is not None and raised.code == code, raised
-            del g
+            _core._fault_arm("copy", 1, code)
+            try:
+                with pytest.raises(CudaError) as info:
+                    run()  # (raises only once the capture has ended)
+                reached = _core._fault_calls("copy") >= 1
+            finally:
+                _core._fault_disarm_all()
+            assert reached and info.value.code == code, info.value
         torch.cuda.synchronize()
     finally:
         faults.use_stream(None)
