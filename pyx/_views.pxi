@@ -6,7 +6,8 @@ from libc.stdint cimport int64_t, uintptr_t
 from libcpp.memory cimport shared_ptr
 
 from inferctx._decl_dlpack cimport DLPACK_FLAG_BITMASK_IS_COPIED, kDLCPU, kDLCUDA, kDLCUDAHost
-from inferctx._decl_gpu cimport DeviceAllocation, copy_async, cudaStreamLegacy
+from inferctx._decl_gpu cimport (
+    DeviceAllocation, copy_async, cudaError_t, cudaStreamLegacy, cudaStream_t, cudaSuccess)
 
 
 cdef tuple _contiguous_strides(tuple shape):
@@ -207,7 +208,8 @@ cdef class DeviceView:
         ``ctx.stream``, and ``ctx.stream`` waits for it, so that work queued there later (a
         kernel writing into the view) cannot change the bytes before they are copied. It
         returns at once; ``pinned.synchronize()`` waits for it (reading the buffer through NumPy
-        or DLPack waits too).
+        or DLPack waits too). Captured into a CUDA graph, the copy is made at each replay, which
+        ``pinned.synchronize()`` does not wait for: wait for the replay before reading.
         """
         _require_accessible(self, "copy_to_host")
         cdef PinnedBuffer host = _pinned_arg(pinned, self._nbytes, "pinned")
@@ -231,7 +233,8 @@ cdef class DeviceView:
 
         ``stream`` (default: ``ctx.stream``) is ordered after ``ctx.stream`` before the copy,
         and ``ctx.stream`` after it, so kernels queued later see the data. The buffer must stay
-        unchanged until ``pinned.synchronize()`` returns.
+        unchanged until ``pinned.synchronize()`` returns. Captured into a CUDA graph, the copy
+        reads the buffer at each replay: keep it unchanged until the replay is done.
         """
         _require_accessible(self, "copy_from_host")
         cdef PinnedBuffer host = _pinned_arg(pinned, self._nbytes, "pinned")
@@ -253,8 +256,19 @@ cdef class DeviceView:
 
     cdef PinnedBuffer _host_copy(self):
         """A synchronous copy into new page-locked memory (DLPack exports to the CPU)."""
-        cdef PinnedBuffer host = PinnedBuffer(self._nbytes)
         cdef uintptr_t producer = _ctx_stream(self._ctx)
+        cdef cudaError_t error = cudaSuccess
+        cdef unsigned long long capture
+        with nogil:
+            capture = _capture_id(<cudaStream_t>producer, &error)
+        if capture != 0 and error == cudaSuccess:
+            # The copy would be made at the graph's replays only, not for this export.
+            raise BufferError(
+                f"__dlpack__: a DeviceView goes to the CPU by a copy on ctx.stream "
+                f"({producer:#x}), which is capturing a CUDA graph: the copy would be made only "
+                "when the graph is replayed. Export before or after the capture, or call "
+                "view.copy_to_host(buf) in it and read buf after a replay")
+        cdef PinnedBuffer host = PinnedBuffer(self._nbytes)
         _note_use(self, producer)
         _copy(host._ptr, self._ptr, self._nbytes, producer, self._device)
         host._track(self._device, producer)
@@ -278,7 +292,8 @@ cdef class DeviceView:
         the GPU, by an event) for the work queued so far on ``ctx.stream``. -1 asks for no
         synchronisation. A versioned capsule comes back when ``max_version`` is
         (1, 0) or newer. ``dl_device=(1, 0)`` (the CPU) or ``(3, 0)`` (CUDA host memory) gives a
-        synchronous host copy flagged IS_COPIED (refused with ``copy=False``); ``copy=True`` on the GPU gives a device copy.
+        synchronous host copy flagged IS_COPIED (refused with ``copy=False``, and while
+        ``ctx.stream`` captures a CUDA graph); ``copy=True`` on the GPU gives a device copy.
         """
         _require_accessible(self, "__dlpack__")
         cdef bint versioned = _wants_versioned(max_version)

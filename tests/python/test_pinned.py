@@ -9,7 +9,7 @@ import sys
 import dlpack_ctypes as dlpack
 import pytest
 from dlpack_ctypes import capsule_name, read
-from gpu_context import KV_SHAPE, ctx  # noqa: F401 (fixture)
+from gpu_context import KV_SHAPE, ctx, pinned_of  # noqa: F401 (fixture)
 
 import inferctx
 from inferctx import ConfigError
@@ -224,3 +224,122 @@ def test_copy_arguments(ctx):
     with pytest.raises(ConfigError) as info:
         k.copy_to_host(PinnedBuffer(k.nbytes), stream="fast")
     assert info.value.argument == "stream"
+
+
+def _captured(torch, op, engine=None):
+    """`op()` captured into a new torch CUDA graph (torch's default, the global capture mode, in
+    which a host wait made during the capture would end it in error). `engine`, when given, is
+    made to join the capture before `op` and joined back after (CUDA's fork pattern), as a user
+    whose ctx.stream is `engine` does. Returns the graph."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        capturing = torch.cuda.current_stream()
+        if engine is not None:
+            engine.wait_stream(capturing)
+        op(capturing)
+        if engine is not None:
+            capturing.wait_stream(engine)
+    return g
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["stream=", "ctx.stream"])
+def test_a_copy_to_host_captured_in_a_graph_is_made_at_each_replay(ctx, torch, how):
+    """view.copy_to_host(buf) in a torch CUDA-graph capture, on the capturing stream passed as
+    ``stream=`` or on ctx.stream made to join the capture. The capture queues no copy, so
+    buf.synchronize() and a NumPy read right after it have nothing to wait for (and an event
+    recorded in the capture could not be waited for by the host at all: cudaErrorCapturedEvent).
+    Each replay copies the view's bytes of that moment, read once the replay is waited for."""
+    k, _ = ctx.kv_cache(0)
+    rng = np.random.default_rng(5)
+    first = rng.standard_normal(k.size).astype(np.float16)
+    second = (first + np.float16(1)).astype(np.float16)  # differs from first everywhere
+    k.copy_from_host(pinned_of(first))
+    buf = PinnedBuffer(k.nbytes)
+    np.frombuffer(buf, dtype=np.uint8)[:] = 0
+    ctx.stream.synchronize()
+    engine = torch.cuda.Stream()
+    if how == "ctx.stream":
+        ctx.use_stream(engine)
+        g = _captured(torch, lambda capturing: k.copy_to_host(buf), engine)
+        ctx.use_stream(None)
+    else:
+        g = _captured(torch, lambda capturing: k.copy_to_host(buf, stream=capturing))
+    buf.synchronize()
+    assert not np.frombuffer(buf, dtype=np.uint8).any(), "a copy was made by the capture itself"
+    for values in (first, second):
+        k.copy_from_host(pinned_of(values))
+        ctx.stream.synchronize()
+        g.replay()
+        torch.cuda.current_stream().synchronize()
+        assert np.array_equal(np.frombuffer(buf, dtype=np.float16), values)
+    # Outside a capture, copies are tracked as before: a read waits for one behind a sleep.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # about 50 ms
+    k.copy_from_host(pinned_of(first))
+    k.copy_to_host(buf, stream=side)
+    assert np.array_equal(np.frombuffer(buf, dtype=np.float16), first)
+
+
+@pytest.mark.gpu
+def test_host_waits_for_copies_made_before_a_capture_leave_the_capture_going(ctx, torch):
+    """Buffers whose copies, queued before the capture, were never waited for: copy_from_host
+    of one in a torch capture first waits on the host for its copy, and another is freed in the
+    capture, which waits for its copy too. In torch's default (global) capture mode such a wait
+    would end the capture in error; made in the relaxed mode, it is not part of the graph and
+    the capture ends. The graph's replay then copies the buffer's bytes into the view."""
+    k, v = ctx.kv_cache(0)
+    values = np.random.default_rng(6).standard_normal(k.size).astype(np.float16)
+    k.copy_from_host(pinned_of(values))
+    src = PinnedBuffer(k.nbytes)
+    k.copy_to_host(src)  # never waited for
+    dropped = PinnedBuffer(k.nbytes)
+    k.copy_to_host(dropped)  # never waited for either; freed in the capture
+    zeros = PinnedBuffer(v.nbytes)
+    np.frombuffer(zeros, dtype=np.uint8)[:] = 0
+    v.copy_from_host(zeros)
+    ctx.stream.synchronize()
+
+    def op(capturing):
+        nonlocal dropped
+        v.copy_from_host(src, stream=capturing)
+        dropped = None
+
+    g = _captured(torch, op)
+    out = PinnedBuffer(v.nbytes)
+    v.copy_to_host(out)
+    assert not np.frombuffer(out, dtype=np.uint8).any(), "a copy was made by the capture itself"
+    g.replay()
+    torch.cuda.current_stream().synchronize()
+    v.copy_to_host(out)
+    assert np.array_equal(np.frombuffer(out, dtype=np.float16), values)
+
+
+@pytest.mark.gpu
+def test_a_cpu_export_while_ctx_stream_captures_is_refused_and_the_capture_goes_on(ctx, torch):
+    """np.from_dlpack(view, device="cpu") copies the view to the host on ctx.stream; while
+    ctx.stream captures a CUDA graph that copy would be made only at a replay, so the export is
+    refused (BufferError, saying so) before anything is queued, and the capture goes on: the
+    torch work captured after the refusal replays right."""
+    k, _ = ctx.kv_cache(0)
+    x = torch.zeros(16, device=f"cuda:{ctx.device}")
+    engine = torch.cuda.Stream()
+    refused = []
+
+    def op(capturing):
+        with pytest.raises(BufferError, match="capturing a CUDA graph") as info:
+            np.from_dlpack(k, device="cpu")
+        refused.append(str(info.value))
+        x.add_(1)
+
+    ctx.use_stream(engine)
+    try:
+        g = _captured(torch, op, engine)
+    finally:
+        ctx.use_stream(None)
+    assert "copy_to_host" in refused[0], refused
+    g.replay()
+    g.replay()
+    assert torch.equal(x, torch.full_like(x, 2.0))
+    assert np.from_dlpack(k, device="cpu").shape == k.shape  # outside the capture: exported
