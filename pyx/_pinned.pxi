@@ -8,7 +8,7 @@ from libcpp.memory cimport shared_ptr
 
 from inferctx._decl_dlpack cimport DLPACK_FLAG_BITMASK_IS_COPIED, kDLCPU, kDLCUDAHost
 from inferctx._decl_gpu cimport (
-    CppEvent, PinnedAllocation, cudaEventSynchronize, cudaGetLastError, cudaStream_t, cudaSuccess)
+    CppEvent, PinnedAllocation, cudaError_t, cudaStream_t, cudaSuccess)
 
 
 cdef PinnedBuffer _pinned_arg(object pinned, int64_t nbytes, str argument):
@@ -35,6 +35,9 @@ cdef class PinnedBuffer:
     the consumer asks for the CPU). Making such a view, and ``synchronize()``, first wait for the
     asynchronous copies queued to or from it; an array made before a copy was queued is not
     waited for when it is read: call ``synchronize()`` (or make the view anew) after the copy.
+    A copy captured into a CUDA graph is made at each replay, and those copies are not waited
+    for here: wait for the replay (``torch.cuda.synchronize()``, or its stream's) before reading
+    the buffer, and keep the buffer alive as long as the graph.
     """
 
     cdef unique_ptr[PinnedAllocation] _alloc
@@ -61,11 +64,14 @@ cdef class PinnedBuffer:
         self._strides[0] = 1
 
     def __dealloc__(self):
-        # A copy still queued must not read or write the memory after it is freed.
+        # A copy still queued must not read or write the memory after it is freed. (The wait
+        # leaves a CUDA-graph capture of this thread going on; a failed one is let go.)
         if self._copy_pending and self._last_copy.get() != NULL:
-            with nogil:
-                if cudaEventSynchronize(self._last_copy.get().handle()) != cudaSuccess:
-                    cudaGetLastError()
+            try:
+                with nogil:
+                    self._last_copy.get().synchronize_in_any_capture()
+            except BaseException:
+                pass
 
     @property
     def ptr(self):
@@ -93,13 +99,24 @@ cdef class PinnedBuffer:
         cdef uint64_t seen = self._copies
         if self._copy_pending and event.get() != NULL:
             with nogil:
-                event.get().synchronize()
+                # Relaxed: a wait made while this thread captures a CUDA graph (copy_from_host
+                # or a NumPy read in the capture) must not end that capture.
+                event.get().synchronize_in_any_capture()
             if self._copies == seen:
                 self._copy_pending = False
         return 0
 
     cdef int _track(self, int device, uintptr_t stream) except -1:
-        """Records that a copy using this buffer was queued on `stream` of `device`."""
+        """Records that a copy using this buffer was queued on `stream` of `device`. A copy
+        queued while `stream` captures a CUDA graph is not: it is made at each replay of the
+        graph, which the caller waits for, as for all a replay writes (an event recorded in the
+        capture could not be waited for by the host at all: cudaErrorCapturedEvent)."""
+        cdef cudaError_t error = cudaSuccess
+        cdef unsigned long long capture
+        with nogil:
+            capture = _capture_id(<cudaStream_t>stream, &error)
+        if capture != 0 and error == cudaSuccess:
+            return 0
         if self._last_copy.get() == NULL or self._last_copy.get().device() != device:
             self._wait_copies()
             # With the GIL from here to the record's copy of the pointer: no other thread of this
