@@ -111,7 +111,6 @@ cdef extern from "inferctx/stream.hpp" namespace "inferctx" nogil:
         void make_wait(cudaStream_t stream, int stream_device) except +raise_inferctx_error
         bool query() except +raise_inferctx_error
         void synchronize() except +raise_inferctx_error
-        void synchronize_in_any_capture() except +raise_inferctx_error
         float elapsed_ms_since(const CppEvent& start) except +raise_inferctx_error
 
 

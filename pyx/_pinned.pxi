@@ -8,7 +8,8 @@ from libcpp.memory cimport shared_ptr
 
 from inferctx._decl_dlpack cimport DLPACK_FLAG_BITMASK_IS_COPIED, kDLCPU, kDLCUDAHost
 from inferctx._decl_gpu cimport (
-    CppEvent, PinnedAllocation, cudaError_t, cudaStream_t, cudaSuccess)
+    CppEvent, PinnedAllocation, cudaError_t, cudaEventSynchronize, cudaGetLastError, cudaStream_t,
+    cudaSuccess)
 
 
 cdef PinnedBuffer _pinned_arg(object pinned, int64_t nbytes, str argument):
@@ -21,6 +22,16 @@ cdef PinnedBuffer _pinned_arg(object pinned, int64_t nbytes, str argument):
         raise _ConfigError(f"{argument}: the PinnedBuffer holds {host._nbytes} bytes; the view "
                            f"needs {nbytes}", argument=argument)
     return host
+
+
+cdef bint _capturing(uintptr_t stream) noexcept:
+    """Whether `stream` is capturing a CUDA graph (False where CUDA will not say: a stream that
+    does not exist fails at its first use instead)."""
+    cdef cudaError_t error = cudaSuccess
+    cdef unsigned long long capture
+    with nogil:
+        capture = _capture_id(<cudaStream_t>stream, &error)
+    return capture != 0 and error == cudaSuccess
 
 
 cdef char* _BYTE_FORMAT = b"B"  # struct-module format of unsigned bytes (static storage)
@@ -37,7 +48,9 @@ cdef class PinnedBuffer:
     waited for when it is read: call ``synchronize()`` (or make the view anew) after the copy.
     A copy captured into a CUDA graph is made at each replay, and those copies are not waited
     for here: wait for the replay (``torch.cuda.synchronize()``, or its stream's) before reading
-    the buffer, and keep the buffer alive as long as the graph.
+    the buffer, and keep the buffer alive as long as the graph. While a capture is being made in
+    CUDA's global mode (torch.cuda.graph's default), waiting for a buffer's copies (a read, or
+    ``synchronize()``) or freeing it ends the capture: do those outside it.
     """
 
     cdef unique_ptr[PinnedAllocation] _alloc
@@ -64,14 +77,11 @@ cdef class PinnedBuffer:
         self._strides[0] = 1
 
     def __dealloc__(self):
-        # A copy still queued must not read or write the memory after it is freed. (The wait
-        # leaves a CUDA-graph capture of this thread going on; a failed one is let go.)
+        # A copy still queued must not read or write the memory after it is freed.
         if self._copy_pending and self._last_copy.get() != NULL:
-            try:
-                with nogil:
-                    self._last_copy.get().synchronize_in_any_capture()
-            except BaseException:
-                pass
+            with nogil:
+                if cudaEventSynchronize(self._last_copy.get().handle()) != cudaSuccess:
+                    cudaGetLastError()
 
     @property
     def ptr(self):
@@ -99,9 +109,7 @@ cdef class PinnedBuffer:
         cdef uint64_t seen = self._copies
         if self._copy_pending and event.get() != NULL:
             with nogil:
-                # Relaxed: a wait made while this thread captures a CUDA graph (copy_from_host
-                # or a NumPy read in the capture) must not end that capture.
-                event.get().synchronize_in_any_capture()
+                event.get().synchronize()
             if self._copies == seen:
                 self._copy_pending = False
         return 0
@@ -111,11 +119,7 @@ cdef class PinnedBuffer:
         queued while `stream` captures a CUDA graph is not: it is made at each replay of the
         graph, which the caller waits for, as for all a replay writes (an event recorded in the
         capture could not be waited for by the host at all: cudaErrorCapturedEvent)."""
-        cdef cudaError_t error = cudaSuccess
-        cdef unsigned long long capture
-        with nogil:
-            capture = _capture_id(<cudaStream_t>stream, &error)
-        if capture != 0 and error == cudaSuccess:
+        if _capturing(stream):
             return 0
         if self._last_copy.get() == NULL or self._last_copy.get().device() != device:
             self._wait_copies()

@@ -6,8 +6,7 @@ from libc.stdint cimport int64_t, uintptr_t
 from libcpp.memory cimport shared_ptr
 
 from inferctx._decl_dlpack cimport DLPACK_FLAG_BITMASK_IS_COPIED, kDLCPU, kDLCUDA, kDLCUDAHost
-from inferctx._decl_gpu cimport (
-    DeviceAllocation, copy_async, cudaError_t, cudaStreamLegacy, cudaStream_t, cudaSuccess)
+from inferctx._decl_gpu cimport DeviceAllocation, copy_async, cudaStreamLegacy
 
 
 cdef tuple _contiguous_strides(tuple shape):
@@ -234,14 +233,18 @@ cdef class DeviceView:
         ``stream`` (default: ``ctx.stream``) is ordered after ``ctx.stream`` before the copy,
         and ``ctx.stream`` after it, so kernels queued later see the data. The buffer must stay
         unchanged until ``pinned.synchronize()`` returns. Captured into a CUDA graph, the copy
-        reads the buffer at each replay: keep it unchanged until the replay is done.
+        reads the buffer at each replay: keep it unchanged until the replay is done, and let
+        the copies queued into it before the capture finish before the first replay.
         """
         _require_accessible(self, "copy_from_host")
         cdef PinnedBuffer host = _pinned_arg(pinned, self._nbytes, "pinned")
-        host._wait_copies()
         cdef uintptr_t producer = _ctx_stream(self._ctx)
         cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
                                                                             "stream")
+        if not _capturing(on):
+            # (In a capture the copy is made at replays, which a wait now would not order; and
+            # a host wait there would end a capture made in the global mode.)
+            host._wait_copies()
         self._ctx._order(producer, on, True)  # joined back below
         try:
             _note_use(self, on)
@@ -257,11 +260,7 @@ cdef class DeviceView:
     cdef PinnedBuffer _host_copy(self):
         """A synchronous copy into new page-locked memory (DLPack exports to the CPU)."""
         cdef uintptr_t producer = _ctx_stream(self._ctx)
-        cdef cudaError_t error = cudaSuccess
-        cdef unsigned long long capture
-        with nogil:
-            capture = _capture_id(<cudaStream_t>producer, &error)
-        if capture != 0 and error == cudaSuccess:
+        if _capturing(producer):
             # The copy would be made at the graph's replays only, not for this export.
             raise BufferError(
                 f"__dlpack__: a DeviceView goes to the CPU by a copy on ctx.stream "

@@ -38,6 +38,24 @@ __global__ void write_header_kernel(GraphRngHeader* header, uint64_t seed, uint6
   *reinterpret_cast<ulonglong2*>(header) = make_ulonglong2(seed, epoch);
 }
 
+// The calling thread's capture interaction mode set to relaxed for a scope: the allocations made
+// at capture time are not part of the graph, and cudaMalloc is a "potentially unsafe" call that
+// would otherwise invalidate a capture begun in the global mode (torch.cuda.graph's default).
+class RelaxedCaptureMode {
+ public:
+  explicit RelaxedCaptureMode(int device) {
+    INFERCTX_CUDA(cudaThreadExchangeStreamCaptureMode(&mode_), device);
+  }
+  ~RelaxedCaptureMode() {
+    if (cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) cudaGetLastError();
+  }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 // Device memory freed on scope exit unless released.
 class ScopedDeviceMemory {
  public:
@@ -177,7 +195,6 @@ void GraphRng::ensure_slot_locked() {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     if (shared_->header != nullptr && !shared_->free_slots.empty()) return;
   }
-  // The slots' memory and stream are made at capture time, outside the graph.
   RelaxedCaptureMode relaxed(device_);
   if (shared_->init_stream == nullptr) {
     cudaStream_t s = nullptr;

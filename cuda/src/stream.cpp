@@ -236,19 +236,6 @@ void Event::synchronize() const {
   INFERCTX_CUDA(cudaEventSynchronize(event_), device_);
 }
 
-void Event::synchronize_in_any_capture() const {
-  RelaxedCaptureMode relaxed(device_);
-  synchronize();
-}
-
-RelaxedCaptureMode::RelaxedCaptureMode(int device) {
-  INFERCTX_CUDA(cudaThreadExchangeStreamCaptureMode(&mode_), device);
-}
-
-RelaxedCaptureMode::~RelaxedCaptureMode() {
-  if (cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) cudaGetLastError();
-}
-
 float Event::elapsed_ms_since(const Event& start) const {
   if (!timing_ || !start.timing_) {
     throw ConfigError("timing", std::string("timing: elapsed time needs both events created with timing=true; "

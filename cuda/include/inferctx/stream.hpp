@@ -57,22 +57,6 @@ class OwnedStreamsHold {
 // noted on one thread's per-thread stream is not taken for another's.
 uint64_t this_thread_serial() noexcept;
 
-// The calling thread's capture interaction mode set to relaxed for a scope. In the global mode
-// (torch.cuda.graph's default), a "potentially unsafe" call (cudaMalloc, cudaEventSynchronize)
-// made while this thread, or any thread in that mode, captures a CUDA graph ends the capture in
-// error; relaxed, it is made outside the graph. A call that conflicts with the capture itself (a
-// wait on an event recorded in it) is still refused.
-class RelaxedCaptureMode {
- public:
-  explicit RelaxedCaptureMode(int device);  // `device`: for an error's message only
-  ~RelaxedCaptureMode();
-  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
-  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-};
-
 class Stream {
  public:
   // A new non-blocking stream on `device` (-1: the current device; never the legacy default stream).
@@ -116,9 +100,6 @@ class Event {
   void make_wait(cudaStream_t stream, int stream_device);
   bool query() const;                      // true when complete
   void synchronize() const;
-  // synchronize() in a RelaxedCaptureMode: the host waits for an event recorded outside any
-  // capture, and a CUDA-graph capture this thread (or another) is making goes on.
-  void synchronize_in_any_capture() const;
   float elapsed_ms_since(const Event& start) const;  // both need timing=true (else ConfigError)
   bool timing() const noexcept { return timing_; }
 
