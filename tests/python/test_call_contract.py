@@ -39,6 +39,13 @@ TRIAL_SLEEP_CYCLES = 2_000_000 * _SLOWER
 _LONG = 50 if SANITIZED else 1
 
 
+def _trial_sleep(torch, trial):
+    """An ordering trial's sleep on the caller's stream. The first is ten times longer: the queue
+    it starts must outlast a hiccup of the host (a trial 0 once found the stream idle in a
+    whole-suite run), and each later trial adds more to it than it takes on the host."""
+    torch.cuda._sleep(TRIAL_SLEEP_CYCLES * (10 if trial == 0 else 1))
+
+
 def _still_busy(torch, trial):
     assert not torch.cuda.current_stream().query(), (
         f"trial {trial}: the caller's stream was idle when the call was made, so its ordering "
@@ -187,7 +194,7 @@ def _run_trials(torch, case, **kw):
     reads = []
     inputs = []
     for trial in range(TRIALS):
-        torch.cuda._sleep(TRIAL_SLEEP_CYCLES)
+        _trial_sleep(torch, trial)
         case.produce(trial)
         r = case.call(**kw)
         _still_busy(torch, trial)
@@ -301,7 +308,7 @@ def test_plain_dropout_result_and_bit_mask_read_right_after_the_call(torch, ctx,
     reads = []
     for trial in range(TRIALS):
         state = ctx.rng_state
-        torch.cuda._sleep(TRIAL_SLEEP_CYCLES)
+        _trial_sleep(torch, trial)
         x.copy_(_ints(torch, (n,), 2000 + trial, tdt))  # the producer, after the sleep
         y, mask = inferctx.dropout(operand, 0.5)
         _still_busy(torch, trial)
@@ -324,7 +331,7 @@ def test_kernel_then_sync_comp_then_comm_stream_read(torch, ctx):
     torch.cuda.synchronize()
     seen = []
     for trial in range(TRIALS):
-        torch.cuda._sleep(TRIAL_SLEEP_CYCLES)
+        _trial_sleep(torch, trial)
         x.fill_(float(trial % 7 + 1))
         y, _ = inferctx.dropout(x, 0.0, mask=None)  # on torch's current stream
         ctx.sync_comp()  # no use_stream: ctx.stream is torch's current stream
@@ -1156,7 +1163,7 @@ def test_bmm_into_its_inputs_own_buffer_as_a_user_calls_it(torch, ctx):
     torch.cuda.synchronize()
     reads, inputs = [], []
     for trial in range(TRIALS):
-        torch.cuda._sleep(TRIAL_SLEEP_CYCLES)
+        _trial_sleep(torch, trial)
         buf[0::2].copy_(_ints(torch, (batch, n, n), 100 + trial, torch.float16))  # produced on the caller's stream
         inferctx.bmm(buf[0::2], b, out=buf[1::2])
         _still_busy(torch, trial)
