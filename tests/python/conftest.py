@@ -35,4 +35,10 @@ def torch():
     t = pytest.importorskip("torch")
     if not t.cuda.is_available():
         pytest.skip("torch has no CUDA device")
-    return t
+    before = t.cuda.current_stream()
+    yield t
+    # A test whose torch.cuda.graph capture failed leaves torch's capture stream current (its
+    # __exit__ raises from capture_end before restoring the stream): every later test would run
+    # on that stream, and CuPy callers' work would no longer be ordered with torch's.
+    if t.cuda.current_stream() != before:
+        t.cuda.set_stream(before)
