@@ -548,20 +548,16 @@ def captured(torch, op, engine):
     torch.cuda.graph does only where every stream `op` pulled into the capture was joined back
     (else capture_end raises cudaErrorStreamCaptureUnjoined). Returns the graph."""
     def run():
-        before = torch.cuda.current_stream()
         g = torch.cuda.CUDAGraph()
         raised = None
-        try:
-            with torch.cuda.graph(g):
-                capturing = torch.cuda.current_stream()
-                engine.wait_stream(capturing)
-                try:
-                    op()
-                except CudaError as exc:
-                    raised = exc
-                capturing.wait_stream(engine)
-        finally:
-            torch.cuda.set_stream(before)  # left as torch's capture stream if capture_end raises
+        with torch.cuda.graph(g):
+            capturing = torch.cuda.current_stream()
+            engine.wait_stream(capturing)
+            try:
+                op()
+            except CudaError as exc:
+                raised = exc
+            capturing.wait_stream(engine)
         if raised is not None:
             raise raised
         return g

@@ -231,20 +231,14 @@ def _captured(torch, op, engine=None):
     which a host wait made during the capture would end it in error). `engine`, when given, is
     made to join the capture before `op` and joined back after (CUDA's fork pattern), as a user
     whose ctx.stream is `engine` does. Returns the graph."""
-    before = torch.cuda.current_stream()
     g = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(g):
-            capturing = torch.cuda.current_stream()
-            if engine is not None:
-                engine.wait_stream(capturing)
-            op(capturing)
-            if engine is not None:
-                capturing.wait_stream(engine)
-    finally:
-        # torch.cuda.graph leaves its capture stream current where capture_end raises: every
-        # later test would run on it (seen: CuPy callers' results unordered with torch's work).
-        torch.cuda.set_stream(before)
+    with torch.cuda.graph(g):
+        capturing = torch.cuda.current_stream()
+        if engine is not None:
+            engine.wait_stream(capturing)
+        op(capturing)
+        if engine is not None:
+            capturing.wait_stream(engine)
     return g
 
 
