@@ -42,6 +42,16 @@ cdef unsigned long long _capture_id(cudaStream_t stream, cudaError_t* error) noe
     return capture_id if capture_id != 0 else <unsigned long long>-1
 
 
+cdef bint _capturing(uintptr_t stream) noexcept:
+    """Whether `stream` is capturing a CUDA graph (False where CUDA will not say: a stream that
+    does not exist fails at its first use instead)."""
+    cdef cudaError_t error = cudaSuccess
+    cdef unsigned long long capture
+    with nogil:
+        capture = _capture_id(<cudaStream_t>stream, &error)
+    return capture != 0 and error == cudaSuccess
+
+
 cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t producer,
                                    cudaStream_t consumer, bint fork) noexcept nogil:
     # On `device`, which the special handles (legacy, per-thread) refer to; the caller's device

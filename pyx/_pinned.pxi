@@ -8,8 +8,7 @@ from libcpp.memory cimport shared_ptr
 
 from inferctx._decl_dlpack cimport DLPACK_FLAG_BITMASK_IS_COPIED, kDLCPU, kDLCUDAHost
 from inferctx._decl_gpu cimport (
-    CppEvent, PinnedAllocation, cudaError_t, cudaEventSynchronize, cudaGetLastError, cudaStream_t,
-    cudaSuccess)
+    CppEvent, PinnedAllocation, cudaEventSynchronize, cudaGetLastError, cudaStream_t, cudaSuccess)
 
 
 cdef PinnedBuffer _pinned_arg(object pinned, int64_t nbytes, str argument):
@@ -22,16 +21,6 @@ cdef PinnedBuffer _pinned_arg(object pinned, int64_t nbytes, str argument):
         raise _ConfigError(f"{argument}: the PinnedBuffer holds {host._nbytes} bytes; the view "
                            f"needs {nbytes}", argument=argument)
     return host
-
-
-cdef bint _capturing(uintptr_t stream) noexcept:
-    """Whether `stream` is capturing a CUDA graph (False where CUDA will not say: a stream that
-    does not exist fails at its first use instead)."""
-    cdef cudaError_t error = cudaSuccess
-    cdef unsigned long long capture
-    with nogil:
-        capture = _capture_id(<cudaStream_t>stream, &error)
-    return capture != 0 and error == cudaSuccess
 
 
 cdef char* _BYTE_FORMAT = b"B"  # struct-module format of unsigned bytes (static storage)

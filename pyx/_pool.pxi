@@ -107,11 +107,7 @@ cdef DeviceView _pooled_view(InferenceContext ctx, int dtype, tuple shape, uintp
     block made in the capture would belong to the graph, and letting one go there needs a device
     synchronisation, which ends the capture. ConfigError naming `argument` then, with `advice`,
     before anything is allocated."""
-    cdef cudaError_t error = cudaSuccess
-    cdef unsigned long long capture
-    with nogil:
-        capture = _capture_id(<cudaStream_t>stream, &error)
-    if capture != 0 and error == cudaSuccess:  # an error: the stream is refused where it is used
+    if _capturing(stream):  # (a stream CUDA will not answer for is refused where it is used)
         raise _ConfigError(f"{argument}: a new DeviceView comes from inferctx's memory pool, which takes no "
                            f"memory while the stream ({stream:#x}) captures a CUDA graph; {advice}",
                            argument=argument)
