@@ -243,10 +243,12 @@ def _captured(torch, op, engine=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["stream=", "ctx.stream"])
+@pytest.mark.parametrize("how", ["default", "stream=", "ctx.stream"])
 def test_a_copy_to_host_captured_in_a_graph_is_made_at_each_replay(ctx, torch, how):
-    """view.copy_to_host(buf) in a torch CUDA-graph capture, on the capturing stream passed as
-    ``stream=`` or on ctx.stream made to join the capture. The capture queues no copy, so
+    """view.copy_to_host(buf) in a torch CUDA-graph capture: as users call it (no stream=, no
+    use_stream: ctx.stream is torch's current stream, the capturing one), on the capturing
+    stream passed as ``stream=``, or on an adopted ctx.stream made to join the capture. The
+    capture queues no copy, so
     buf.synchronize() and a NumPy read right after it have nothing to wait for (and an event
     recorded in the capture could not be waited for by the host at all: cudaErrorCapturedEvent).
     Each replay copies the view's bytes of that moment, read once the replay is waited for."""
@@ -263,8 +265,10 @@ def test_a_copy_to_host_captured_in_a_graph_is_made_at_each_replay(ctx, torch, h
         ctx.use_stream(engine)
         g = _captured(torch, lambda capturing: k.copy_to_host(buf), engine)
         ctx.use_stream(None)
-    else:
+    elif how == "stream=":
         g = _captured(torch, lambda capturing: k.copy_to_host(buf, stream=capturing))
+    else:
+        g = _captured(torch, lambda capturing: k.copy_to_host(buf))
     buf.synchronize()
     assert not np.frombuffer(buf, dtype=np.uint8).any(), "a copy was made by the capture itself"
     for values in (first, second):
@@ -283,7 +287,8 @@ def test_a_copy_to_host_captured_in_a_graph_is_made_at_each_replay(ctx, torch, h
 
 
 @pytest.mark.gpu
-def test_a_captured_copy_from_a_buffer_with_a_copy_pending_leaves_the_capture_going(ctx, torch):
+@pytest.mark.parametrize("how", ["default", "stream="])
+def test_a_captured_copy_from_a_buffer_with_a_copy_pending_leaves_the_capture_going(ctx, torch, how):
     """copy_from_host in a torch capture (the global capture mode, torch's default) of a buffer
     whose copy, queued before the capture, was never waited for. The call made a host wait for
     that copy first, which CUDA refuses in such a capture (cudaErrorStreamCaptureUnsupported) and
@@ -299,7 +304,10 @@ def test_a_captured_copy_from_a_buffer_with_a_copy_pending_leaves_the_capture_go
     np.frombuffer(zeros, dtype=np.uint8)[:] = 0
     v.copy_from_host(zeros)
     ctx.stream.synchronize()
-    g = _captured(torch, lambda capturing: v.copy_from_host(src, stream=capturing))
+    if how == "stream=":
+        g = _captured(torch, lambda capturing: v.copy_from_host(src, stream=capturing))
+    else:  # as users call it: ctx.stream is torch's current stream, the capturing one
+        g = _captured(torch, lambda capturing: v.copy_from_host(src))
     out = PinnedBuffer(v.nbytes)
     v.copy_to_host(out)
     assert not np.frombuffer(out, dtype=np.uint8).any(), "a copy was made by the capture itself"
@@ -310,8 +318,10 @@ def test_a_captured_copy_from_a_buffer_with_a_copy_pending_leaves_the_capture_go
 
 
 @pytest.mark.gpu
-def test_a_cpu_export_while_ctx_stream_captures_is_refused_and_the_capture_goes_on(ctx, torch):
-    """np.from_dlpack(view, device="cpu") copies the view to the host on ctx.stream; while
+@pytest.mark.parametrize("how", ["default", "ctx.stream"])
+def test_a_cpu_export_while_ctx_stream_captures_is_refused_and_the_capture_goes_on(ctx, torch, how):
+    """np.from_dlpack(view, device="cpu") copies the view to the host on ctx.stream (torch's
+    current stream as users leave it, or an adopted stream made to join the capture); while
     ctx.stream captures a CUDA graph that copy would be made only at a replay, so the export is
     refused (BufferError, saying so) before anything is queued, and the capture goes on: the
     torch work captured after the refusal replays right."""
@@ -326,11 +336,14 @@ def test_a_cpu_export_while_ctx_stream_captures_is_refused_and_the_capture_goes_
         refused.append(str(info.value))
         x.add_(1)
 
-    ctx.use_stream(engine)
-    try:
-        g = _captured(torch, op, engine)
-    finally:
-        ctx.use_stream(None)
+    if how == "default":
+        g = _captured(torch, op)
+    else:
+        ctx.use_stream(engine)
+        try:
+            g = _captured(torch, op, engine)
+        finally:
+            ctx.use_stream(None)
     assert "copy_to_host" in refused[0], refused
     g.replay()
     g.replay()
