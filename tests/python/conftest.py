@@ -1,10 +1,14 @@
-"""Shared fixtures: the `gpu` marker skips, visibly, where no CUDA device is usable."""
+"""Shared fixtures: the `gpu` marker skips, visibly, where no CUDA device is usable; `--suite-part
+K/N` runs one of N parts of the suite (suite_parts.py)."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
+
+import suite_parts
+from suite_parts import pytest_addoption, pytest_configure  # noqa: F401  (--suite-part)
 
 
 @functools.lru_cache(maxsize=1)
@@ -20,6 +24,7 @@ def gpu_available() -> tuple[bool, str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    suite_parts.pytest_collection_modifyitems(config, items)
     ok, why = gpu_available()
     if ok:
         return

@@ -559,3 +559,20 @@ def test_any_machine_sanitize_runs_the_workspace_suites_under_the_fallback_when_
     for tool in ("memcheck", "racecheck", "initcheck", "synccheck"):
         assert f"{tool}:test_context_cudamalloc rc=0" in runs and f"{tool}:test_context rc=0" in runs
     assert "##### memcheck.test_context_cudamalloc" in (stand_ins.out / "sanitizer.log").read_text()
+
+
+@needs_bash
+def test_any_machine_the_pytest_step_runs_pytest_alone_with_pytest_args(stand_ins):
+    """The second half of a whole suite in two runs: pytest with PYTEST_ARGS, no ctest."""
+    done = stand_ins("gpu-suite", "pytest", PYTEST_ARGS="--suite-part 2/2 --durations=30")
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "ctest" not in done.calls and "cmake" not in done.calls
+    args = [line[len("  arg<"):-1] for line in done.calls.splitlines() if line.startswith("  arg<")]
+    assert args == ["-m", "pytest", "tests/python", "-q", "-ra", "--suite-part", "2/2", "--durations=30"], args
+    lines = done.summary.splitlines()
+    assert [line.split()[:2] for line in lines[:2]] == [["build", "rc=0"], ["pytest", "rc=0"]], lines
+    assert lines[-1] == "3 passed in 0.10s"
+    failed = stand_ins("gpu-suite", "pytest", PYTEST="fail")
+    assert failed.returncode == 1
+    assert failed.summary.splitlines()[-2:][0].startswith("pytest rc=1 ")
+    assert failed.summary.splitlines()[-1] == "1 failed, 2 passed in 0.10s"
