@@ -132,6 +132,9 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
         transpose with the matching ``trans_*``, has); later ``gemm`` / ``bmm`` calls with that
         problem on 256-byte aligned memory, on the device tuned on, use the result (the cache
         keys its entries by device: entries tuned on cuda:0 do nothing for calls on cuda:1).
+        A shape one call cannot take (a batch past 2**31 - 1, a matrix past 2**63 bytes)
+        raises ConfigError naming ``shapes`` before the device is looked up or anything is
+        tuned.
     dtype
         'float32', 'float16', 'bfloat16' (or a NumPy / torch dtype).
     trans_a, trans_b, tf32
@@ -189,6 +192,18 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
                 _cache_keys(cache_file, file_entries)
             else:
                 _check_new_file_folder(cache_file)
+    # Each shape's problem, packed before the device is looked up: a shape too large for one
+    # GEMM (a batch past 2**31 - 1, a matrix past 2**63 bytes) is named as such on any machine,
+    # and before any shape is tuned.
+    packed = []
+    for batch, m, n, k in problems:
+        try:
+            packed.append(_core._gemm_packed_problem(code, m, n, k, batch, flags["trans_a"],
+                                                     flags["trans_b"], flags["tf32"]))
+        except ConfigError as exc:
+            shape = (m, n, k) if batch == 1 else (batch, m, n, k)
+            raise ConfigError(f"shapes: {shape} cannot be one GEMM call ({exc}); tune shapes a "
+                              f"gemm or bmm call can take", argument="shapes") from None
     if ctx is None:
         ctx = _context_of_current_device()
     device = _context_device(ctx)
@@ -201,9 +216,7 @@ def autotune_gemm(shapes: Any, dtype: Any, *, trans_a: bool = False, trans_b: bo
     bar = _Progress(len(problems), flags["progress"])
     tuned_any = False
     try:
-        for batch, m, n, k in problems:
-            p = _core._gemm_packed_problem(code, m, n, k, batch, flags["trans_a"], flags["trans_b"],
-                                           flags["tf32"])
+        for (batch, m, n, k), p in zip(problems, packed):
             label = (f"{_SHORT[code]} {m}x{n}x{k}" + (f" x{batch}" if batch > 1 else "")
                      + ("" if not (flags["trans_a"] or flags["trans_b"]) else
                         f" {'T' if flags['trans_a'] else 'N'}{'T' if flags['trans_b'] else 'N'}"))

@@ -290,6 +290,26 @@ def test_autotune_rejects_bad_shapes(tuner, shapes):
     assert info.value.argument == "shapes"
 
 
+@pytest.mark.parametrize("shape, why", [
+    ((2**31, 8, 8, 8), "batch: got 2147483648; at most 2147483647 matrices per call"),
+    ((2**31, 2**31, 2**31), "lda: got 2147483648 for 2147483648 rows"),
+    ((8, 8, 2**62), "m: the matrices of 8 x 8 x 4611686018427387904 have more than 2^63 elements"),
+])
+def test_autotune_names_a_shape_too_large_for_one_call_before_the_device_or_any_tuning(
+        tuner, monkeypatch, shape, why):
+    # The device is not looked up: a machine without a GPU gets the shape's error, not
+    # NoCudaDeviceError; and the good shape before it is not tuned.
+    def no_device():
+        raise AssertionError("the device was looked up before the shapes were checked")
+    monkeypatch.setattr(gm, "_context_of_current_device", no_device)
+    with pytest.raises(ConfigError) as info:
+        gm.autotune_gemm([(8, 8, 8), shape], "float16", progress=False)
+    assert info.value.argument == "shapes"
+    assert str(info.value).startswith(f"shapes: {shape} cannot be one GEMM call ({why}")
+    assert str(info.value).endswith("; tune shapes a gemm or bmm call can take")
+    assert tuner.tunes == []
+
+
 def test_autotune_rejects_bad_options(tuner):
     for kwargs, argument in [({"max_algorithms": 0}, "max_algorithms"), ({"repeats": 0}, "repeats"),
                              ({"warmup": -1}, "warmup"), ({"trans_a": 1}, "trans_a"),
