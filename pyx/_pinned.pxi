@@ -47,8 +47,10 @@ cdef class PinnedBuffer:
     cdef Py_ssize_t _nbytes
     cdef Py_ssize_t _shape[1]
     cdef Py_ssize_t _strides[1]
-    # Recorded after the last copy queued to or from it. Shared: a thread waiting on it without
-    # the GIL keeps it alive while another thread replaces it (a copy on another device).
+    # Recorded after the last copy queued to or from it, on a stream made to wait for the copies
+    # before it that are not waited for yet (_track): it covers them all, whatever their
+    # streams. Shared: a thread waiting on it without the GIL keeps it alive while another
+    # thread replaces it (a copy on another device).
     cdef shared_ptr[CppEvent] _last_copy
     cdef bint _copy_pending
     cdef uint64_t _copies  # copies tracked so far: a wait clears _copy_pending only if none came since
@@ -112,12 +114,16 @@ cdef class PinnedBuffer:
             return 0
         if self._last_copy.get() == NULL or self._last_copy.get().device() != device:
             self._wait_copies()
-            # With the GIL from here to the record's copy of the pointer: no other thread of this
-            # buffer replaces the event in between.
             self._last_copy.reset(new CppEvent(device, False))
-        cdef shared_ptr[CppEvent] event = self._last_copy
-        with nogil:
-            event.get().record(<cudaStream_t>stream)
+        elif self._copy_pending:
+            # The one event covers every copy not waited for: those queued before this one, on
+            # another stream perhaps, too. `stream` waits for them after its copy (a wait that
+            # changes nothing where they were queued on it), so the record below completes only
+            # after them all. (Work queued on `stream` later waits for them as well.)
+            self._last_copy.get().make_wait(<cudaStream_t>stream)
+        # With the GIL from the wait to the record (both asynchronous): no other thread records
+        # this buffer's event in between, which would leave its copy out of the event.
+        self._last_copy.get().record(<cudaStream_t>stream)
         self._copies += 1
         self._copy_pending = True
         return 0

@@ -241,12 +241,13 @@ cdef class DeviceView:
         cdef uintptr_t producer = _ctx_stream(self._ctx)
         cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
                                                                             "stream")
-        if not _capturing(on):
-            # (In a capture the copy is made at replays, which a wait now would not order; and
-            # a host wait there would end a capture made in the global mode.)
-            host._wait_copies()
         self._ctx._order(producer, on, True)  # joined back below
         try:
+            # After the order: a `stream=` that is not capturing has now joined a capture of
+            # ctx.stream's. (In a capture the copy is made at replays, which a wait now would
+            # not order; and a host wait there would end a capture made in the global mode.)
+            if not _capturing(on):
+                host._wait_copies()
             _note_use(self, on)
             _copy(self._ptr, host._ptr, self._nbytes, on, self._device)
             host._track(self._device, on)

@@ -139,6 +139,31 @@ def test_a_copy_to_host_on_another_stream_is_done_before_later_writes_on_ctx_str
 
 
 @pytest.mark.gpu
+def test_synchronize_waits_for_the_copies_queued_on_two_torch_streams(ctx, torch):
+    """Two copies out of the GPU into one buffer as users queue them, each on the torch stream
+    current at the call (ctx.stream follows it), neither ordered with the other: the first
+    behind a long sleep on s1, the second, of a small view, on s2. buf.synchronize() and a read
+    must wait for both; the buffer's one event was recorded again on s2 and so covered the
+    second copy only, and synchronize() returned with the first still queued."""
+    k, _ = ctx.kv_cache(0)
+    values = np.random.default_rng(8).standard_normal(k.size).astype(np.float16)
+    k.copy_from_host(pinned_of(values))
+    ctx.stream.synchronize()
+    small = k.view("float16", (64,))  # k's first 128 bytes: both copies write the same values there
+    buf = PinnedBuffer(k.nbytes)
+    np.frombuffer(buf, dtype=np.uint8)[:] = 0
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(400_000_000)  # about 200 ms
+        k.copy_to_host(buf)
+    with torch.cuda.stream(s2):
+        small.copy_to_host(buf)
+    buf.synchronize()
+    assert s1.query(), "buf.synchronize() returned with the first copy still queued"
+    assert np.array_equal(np.frombuffer(buf, dtype=np.float16), values)
+
+
+@pytest.mark.gpu
 def test_a_wait_that_ends_while_a_later_copy_runs_leaves_that_copy_waited_for(ctx, torch):
     """One thread waits for a buffer's copies while this one queues a later copy into it (on
     another stream, behind a longer sleep): the wait ends with the later copy still running, and
@@ -287,14 +312,15 @@ def test_a_copy_to_host_captured_in_a_graph_is_made_at_each_replay(ctx, torch, h
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["default", "stream="])
+@pytest.mark.parametrize("how", ["default", "stream=", "stream=side"])
 def test_a_captured_copy_from_a_buffer_with_a_copy_pending_leaves_the_capture_going(ctx, torch, how):
     """copy_from_host in a torch capture (the global capture mode, torch's default) of a buffer
     whose copy, queued before the capture, was never waited for. The call made a host wait for
     that copy first, which CUDA refuses in such a capture (cudaErrorStreamCaptureUnsupported) and
     which ends it; in a capture it makes none (the copy is made at the replays, which such a wait
     would not order), so the capture ends. The graph's replay copies the buffer's bytes into the
-    view."""
+    view. With ``stream=side`` (a stream not capturing, which the call makes join the capture),
+    the wait was made before the side stream joined, so it was made in the capture all the same."""
     k, v = ctx.kv_cache(0)
     values = np.random.default_rng(6).standard_normal(k.size).astype(np.float16)
     k.copy_from_host(pinned_of(values))
@@ -304,8 +330,11 @@ def test_a_captured_copy_from_a_buffer_with_a_copy_pending_leaves_the_capture_go
     np.frombuffer(zeros, dtype=np.uint8)[:] = 0
     v.copy_from_host(zeros)
     ctx.stream.synchronize()
+    side = torch.cuda.Stream()
     if how == "stream=":
         g = _captured(torch, lambda capturing: v.copy_from_host(src, stream=capturing))
+    elif how == "stream=side":
+        g = _captured(torch, lambda capturing: v.copy_from_host(src, stream=side))
     else:  # as users call it: ctx.stream is torch's current stream, the capturing one
         g = _captured(torch, lambda capturing: v.copy_from_host(src))
     out = PinnedBuffer(v.nbytes)
