@@ -72,11 +72,14 @@ cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t p
     cdef unsigned long long unknown = <unsigned long long>-1
     cdef unsigned long long p = _capture_id(producer, &status)
     cdef unsigned long long c = _capture_id(consumer, &status)
-    cdef bint joins_capture = fork and c == 0 and p != 0 and p != unknown
+    cdef bint producer_captures = p != 0 and p != unknown
+    cdef bint joins_capture = fork and c == 0 and producer_captures
     if status != cudaSuccess:
         pass  # a stream that does not exist: reported by _order
-    elif joins_capture and <uintptr_t>consumer <= 2:
-        # A default stream (legacy 1, per-thread 2) cannot join a capture: _order says so.
+    elif fork and producer_captures and c != p and <uintptr_t>consumer <= 2:
+        # A default stream (legacy 1, per-thread 2) cannot join a capture: _order says so. That
+        # includes the legacy stream while a blocking stream captures, of which CUDA will not
+        # say whether it captures (c is `unknown`): work queued on it would end the capture.
         status = cudaErrorStreamCaptureImplicit
     elif joins_capture or (p == c and p != unknown):
         status = <cudaError_t>inferctx_fault_handshake()
@@ -616,11 +619,13 @@ cdef class InferenceContext:
                                        <cudaStream_t>consumer, fork)
             self._handshake_lock.unlock()
         if status == cudaErrorStreamCaptureImplicit and fork:
+            # The default stream may be the call's stream= or, with none given, the current
+            # stream of an operand's package (CuPy's null stream, say): the remedy is stream=.
             raise _ConfigError(
-                "stream: is a default stream (legacy or per-thread), which cannot join the CUDA "
-                "graph capture its inputs are being captured in; pass a stream made for it "
-                "(torch.cuda.Stream(), inferctx.Stream()), or no stream= to run on the capturing "
-                "stream", argument="stream")
+                f"stream: the call would run on a default stream ({consumer:#x}: legacy or "
+                "per-thread), which cannot join the CUDA graph capture its inputs are being "
+                "captured in; pass stream= the capturing stream, or a stream made for it "
+                "(torch.cuda.Stream(), inferctx.Stream())", argument="stream")
         if status != cudaSuccess:
             check_cuda(status, "cudaEventRecord + cudaStreamWaitEvent (stream handshake)",
                        self.device)

@@ -478,6 +478,67 @@ def test_a_default_stream_argument_under_capture_is_refused_naming_stream(torch,
     assert torch.equal(z, x * 2 + 1)
 
 
+def test_a_cupy_operand_on_its_null_stream_in_a_torch_capture_is_refused_with_a_remedy(torch, ctx):
+    # No stream= given: the call runs on its first operand's package's current stream, CuPy's
+    # null stream here, which cannot join torch's capture. The error names stream= as the
+    # remedy (it said "or no stream=", which the caller had done already), and the capture goes
+    # on.
+    cp = pytest.importorskip("cupy")
+    x = cp.arange(4096, dtype=cp.float32)
+    y = torch.empty(4096, device=f"cuda:{ctx.device}")
+    t = _ints(torch, (4096,), 3, torch.float32)
+    cp.cuda.Device().synchronize()
+    torch.cuda.synchronize()
+    refused = []
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        u = t * 2
+        try:
+            inferctx.dropout(x, 0.0, out=y)
+            refused.append("launched")
+        except ConfigError as exc:
+            refused.append(exc)
+        v = u + 1
+    assert len(refused) == 1 and isinstance(refused[0], ConfigError), refused
+    message = str(refused[0])
+    assert refused[0].argument == "stream"
+    assert "cannot join the CUDA graph capture" in message and "pass stream= the capturing stream" in message
+    assert "no stream=" not in message
+    g.replay()
+    assert torch.equal(v, t * 2 + 1)
+
+
+def test_a_default_stream_argument_under_a_blocking_streams_capture_is_refused(ctx):
+    # A capture on a blocking stream (CuPy's Stream() is one): CUDA will not say whether the
+    # legacy stream captures then, and work queued on it would end the capture in error
+    # (cudaErrorStreamCaptureImplicit). The call refuses it as under any capture: a clear error,
+    # nothing launched, and the capture goes on.
+    cp = pytest.importorskip("cupy")
+    with cp.cuda.Device(ctx.device):
+        x = cp.arange(4096, dtype=cp.float32)
+        s = cp.cuda.Stream()  # blocking: non_blocking=False
+        legacy = inferctx.Stream(0, device=ctx.device)
+        cp.cuda.Device().synchronize()
+        refused = []
+        with s:
+            s.begin_capture()
+            try:
+                y = x * 2
+                for stream in (0, legacy):
+                    try:
+                        inferctx.dropout(x, 0.0, stream=stream)
+                        refused.append("launched")
+                    except ConfigError as exc:
+                        refused.append((exc.argument, "cannot join the CUDA graph capture" in str(exc)))
+                z = y + 1
+            finally:
+                graph = s.end_capture()  # raises where the capture was ended in error
+            graph.launch(stream=s)
+        s.synchronize()
+        assert refused == [("stream", True), ("stream", True)]
+        assert bool((z == x * 2 + 1).all())
+
+
 def test_stream_wait_on_a_bare_handle_of_a_capturing_stream_forks_the_capture(torch, ctx):
     # Stream.wait(handle) is how a side stream joins a capture. Asking CUDA for the device of
     # the capturing handle (cudaStreamGetDevice) would end the capture in error: the device is
