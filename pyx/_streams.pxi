@@ -165,7 +165,10 @@ cdef class Stream:
             if device is not None:
                 dev = _device_arg(device)
                 actual = _stream_device(source, handle, dev, "source")
-                if actual >= 0 and actual != dev and handle > <uintptr_t>cudaStreamPerThread:
+                # A bare default-stream handle names no device (it is each device's); an object
+                # that says its device (torch.cuda.default_stream(1)) does.
+                if actual >= 0 and actual != dev and (handle > <uintptr_t>cudaStreamPerThread
+                                                      or _declared_device(source) >= 0):
                     raise _ConfigError(
                         f"device: got {dev}, but the source is a stream of cuda:{actual}; pass "
                         f"device={actual} or leave device out", argument="device")

@@ -336,3 +336,17 @@ def test_an_event_is_not_recorded_on_a_default_stream_of_another_device():
         event.record(torch.cuda.default_stream(1))  # the legacy handle: cuda:0's stream, were it taken
     assert refused.value.argument == "stream"
     assert event.record(torch.cuda.default_stream(0)) is event
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+def test_a_default_stream_object_of_another_device_is_refused_for_device():
+    torch = _two_gpus_torch()
+    # torch.cuda.default_stream(1) is the legacy handle, which names no device by itself, but the
+    # object says cuda:1: wrapping it for device=0 would make a Stream of cuda:0's default stream
+    # that holds cuda:1's. A bare handle 0 names no device and is each device's.
+    with pytest.raises(ConfigError, match="the source is a stream of cuda:1; pass device=1") as refused:
+        Stream(torch.cuda.default_stream(1), device=0)
+    assert refused.value.argument == "device"
+    assert Stream(torch.cuda.default_stream(1), device=1).device == 1
+    assert Stream(0, device=1).device == 1
