@@ -361,6 +361,11 @@ cdef class _Call:
                 return _torch_empty_like(like)
             return self._like.new_empty(shape, dtype=_dt_to_torch[dtype])
         if self.package == PKG_CUPY:
+            if dtype == DT_BFLOAT16:  # CuPy (NumPy's dtypes) has none: numpy's bare TypeError
+                raise _ConfigError(
+                    f"{argument}: the call's results are CuPy arrays (the package of its "
+                    f"operands), and CuPy has no bfloat16; pass {argument}={also} a torch "
+                    f"tensor or a DeviceView", argument=argument)
             with _cupy.cuda.Device(self.device):
                 return _cupy.empty(shape, dtype=_DTYPE_NAMES[dtype])
         return _pooled_view(self.ctx, dtype, shape, self.kernel, argument,

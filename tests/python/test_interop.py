@@ -527,6 +527,27 @@ def test_cupy_cannot_take_bfloat16_by_cai(ctx):
         cupy.asarray(k)
 
 
+@pytest.mark.gpu
+def test_a_bfloat16_result_in_cupy_is_refused_naming_out(ctx):
+    """A call whose results are CuPy arrays (its first array-library operand is CuPy's) on
+    bfloat16 operands: CuPy has no bfloat16, and cupy.empty's bare TypeError came through. A
+    ConfigError names out= now, and nothing is left pending: the call with out= works."""
+    import inferctx
+    cupy = pytest.importorskip("cupy")
+    x = ctx.activations.view("bfloat16", (4096,))
+    words = cupy.zeros(128, dtype=cupy.uint32)  # 4096 bits, none kept
+    for call in (lambda: inferctx.dropout(x, 0.5, mask_out=words),
+                 lambda: inferctx.apply_mask(x, words, 0.5)):
+        with pytest.raises(ConfigError, match="CuPy has no bfloat16; pass out= a torch tensor or a "
+                                              "DeviceView") as refused:
+            call()
+        assert refused.value.argument == "out"
+    y = ctx.activations.view("bfloat16", (4096,), offset=8192)
+    y.view("uint16").copy_from_host(pinned_of(np.full(4096, 0x3F80, dtype=np.uint16)))  # 1.0
+    inferctx.apply_mask(x, words, 0.5, out=y)
+    assert not cupy.asarray(y.view("uint16")).any()  # CuPy's stream: the call's, no synchronize
+
+
 # -- JAX --------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
