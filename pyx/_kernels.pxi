@@ -252,7 +252,11 @@ cdef dict _torch_word_templates = {}  # device -> an empty int32 tensor there
 cdef object _torch_mask_words(object x, int device, int64_t words):
     """A new int32 torch tensor of `words` elements on x's device (cuda:`device`), from torch's
     caching allocator. new_empty of an int32 tensor with one int argument is the cheapest
-    allocation torch's Python binding offers (no dtype keyword to parse)."""
+    allocation torch's Python binding offers (no dtype keyword to parse). The template is a
+    plain torch.Tensor's: a subclass's `x` makes its own, as the general path's results do, and
+    is not kept (it would make every later mask on the device of its class)."""
+    if type(x) is not _torch_tensor:
+        return x.new_empty(words, dtype=_dt_to_torch[DT_INT32])
     template = _torch_word_templates.get(device)
     if template is None:
         template = x.new_empty(0, dtype=_dt_to_torch[DT_INT32])

@@ -474,3 +474,32 @@ def test_a_refused_call_takes_no_philox_offset(torch):
     keep = ref.dropout_keep(seed, offset, 0.5, n)  # what it would have drawn, from the reference
     assert np.array_equal(host_words(torch, mask), ref.pack_bits(keep))
     assert_same_bits(torch, y, expected_y(torch, x, keep, 0.5))
+
+
+SUBCLASS_FIRST_SCRIPT = """
+import torch
+import inferctx
+
+class Tagged(torch.Tensor):
+    pass
+
+x = torch.randn(1000, device="cuda").as_subclass(Tagged)
+plain = torch.randn(1000, device="cuda")
+y0, m0 = inferctx.dropout(x, 0.5)          # the process's first dropout: a subclass
+y1, m1 = inferctx.dropout(plain, 0.5)      # then a plain tensor on the same device
+torch.cuda.synchronize()
+print(type(m0).__name__, type(y1).__name__, type(m1).__name__)
+"""
+
+
+def test_a_subclass_first_leaves_the_masks_of_later_plain_tensors_plain():
+    # In a child: the process's first dropout on the device must be the subclass's. The mask of
+    # a subclass's x is made by its own new_empty (as the general path's results are); before,
+    # the first x's new_empty made the template of every later mask on the device.
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", SUBCLASS_FIRST_SCRIPT], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["Tagged", "Tensor", "Tensor"], run.stdout
