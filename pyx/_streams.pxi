@@ -228,10 +228,24 @@ cdef class Stream:
                 f"which names its device", argument="other")
         if handle == self._handle and source == self._device:
             return
+        cdef uintptr_t mine = self._handle
+        cdef cudaError_t asked = cudaSuccess
+        cdef unsigned long long theirs = 0
+        cdef unsigned long long ours = 0
+        if mine <= <uintptr_t>cudaStreamLegacy:
+            # The legacy stream cannot join a capture (CUDA's fork): the wait would fail and end
+            # the capture. Refused first, as a call's stream= is (_record_then_wait).
+            with nogil:
+                theirs = _capture_id(<cudaStream_t>handle, &asked)
+                ours = _capture_id(<cudaStream_t>mine, &asked)
+            if asked == cudaSuccess and theirs != 0 and theirs != <unsigned long long>-1 and ours != theirs:
+                raise _ConfigError(
+                    f"other: {handle:#x} is capturing a CUDA graph, which this Stream, the legacy "
+                    f"default stream ({mine:#x}), cannot join; make a stream of your "
+                    f"own wait instead (inferctx.Stream(), torch.cuda.Stream())", argument="other")
         cdef Event event = Event(source)
         cdef CppEvent* e = event._get()
         cdef int waiting = self._device
-        cdef uintptr_t mine = self._handle
         with nogil:
             e.record(<cudaStream_t>handle)
             # On this stream's device: a default-stream handle names the current device's.

@@ -539,6 +539,30 @@ def test_a_default_stream_argument_under_a_blocking_streams_capture_is_refused(c
         assert bool((z == x * 2 + 1).all())
 
 
+def test_the_legacy_stream_waiting_for_a_capturing_stream_is_refused_and_the_capture_goes_on(torch, ctx):
+    # Stream.wait is how a stream joins a capture (CUDA's fork), which the legacy default stream
+    # cannot: the wait failed in CUDA and ended the capture. It is refused first, as a call's
+    # stream= is, for the capturing stream given as an object or as a bare handle.
+    x = _ints(torch, (4096,), 3, torch.float32)
+    legacy, torch_default = inferctx.Stream(0), inferctx.Stream(torch.cuda.default_stream())
+    torch.cuda.synchronize()
+    refused = []
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        capturing = torch.cuda.current_stream()
+        y = x * 2
+        for waiting, other in ((legacy, capturing), (torch_default, capturing.cuda_stream)):
+            try:
+                waiting.wait(other)
+                refused.append("waited")
+            except ConfigError as exc:
+                refused.append((exc.argument, "cannot join" in str(exc)))
+        z = y + 1
+    assert refused == [("other", True), ("other", True)]
+    g.replay()
+    assert torch.equal(z, x * 2 + 1)
+
+
 def test_stream_wait_on_a_bare_handle_of_a_capturing_stream_forks_the_capture(torch, ctx):
     # Stream.wait(handle) is how a side stream joins a capture. Asking CUDA for the device of
     # the capturing handle (cudaStreamGetDevice) would end the capture in error: the device is
