@@ -35,8 +35,8 @@ cdef int _kernel_dtype(CudaArray a, str argument) except -1:
                            f"bfloat16", argument=argument)
     if not a.contiguous:
         raise _ConfigError(f"{argument}: shape {list(a.shape)} with strides {list(a.strides)} (elements) "
-                           f"is not contiguous; pass a contiguous array (e.g. x.contiguous())",
-                           argument=argument)
+                           f"is not contiguous; pass a contiguous copy ({argument}.contiguous() in "
+                           f"torch, cupy.ascontiguousarray({argument}) in CuPy)", argument=argument)
     return a._dtype
 
 
@@ -47,10 +47,12 @@ cdef CudaArray _out_arg(_Call call, object out, CudaArray like, str what):
             f"out: got {o.dtype}{list(o.shape)} on cuda:{o.device}; it must match {what}: "
             f"{like.dtype}{list(like.shape)} on cuda:{like.device}", argument="out")
     if not o.contiguous:
-        raise _ConfigError(f"out: strides {list(o.strides)} are not contiguous; pass a contiguous "
-                           f"array", argument="out")
+        raise _ConfigError(f"out: shape {list(o.shape)} with strides {list(o.strides)} (elements) is "
+                           f"not contiguous; pass a contiguous array of that shape, or no out= for "
+                           f"a new result", argument="out")
     if o.read_only:
-        raise _ConfigError("out: the array is read-only", argument="out")
+        raise _ConfigError("out: the array is read-only; pass a writable one, or no out= for a new "
+                           "result", argument="out")
     return o
 
 
@@ -65,9 +67,13 @@ cdef int _mask_arg(CudaArray m, str argument, int mode, CudaArray like, str what
         raise _ConfigError(f"{argument}: is on cuda:{m.device}, {what} on cuda:{like.device}",
                            argument=argument)
     if not m.contiguous:
-        raise _ConfigError(f"{argument}: must be contiguous", argument=argument)
+        raise _ConfigError(f"{argument}: shape {list(m.shape)} with strides {list(m.strides)} "
+                           f"(elements) is not contiguous; pass a contiguous array"
+                           + (f", or no {argument}= for a new one" if mode != 0 else ""),
+                           argument=argument)
     if mode != 0 and m.read_only:
-        raise _ConfigError(f"{argument}: the array is read-only", argument=argument)
+        raise _ConfigError(f"{argument}: the array is read-only; pass a writable one, or no "
+                           f"{argument}= for a new one", argument=argument)
     # Bits are uint32 words (int32 taken as well), bytes one uint8 (int8, bool) per element.
     cdef bint words = m._dtype == DT_UINT32 or m._dtype == DT_INT32
     cdef bint bytes_ = m._dtype == DT_UINT8 or m._dtype == DT_INT8 or m._dtype == DT_BOOL

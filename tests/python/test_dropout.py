@@ -364,6 +364,25 @@ def test_non_contiguous_inputs_are_refused(torch):
         inferctx.dropout(x.t(), 0.5)
     with pytest.raises(ConfigError):
         inferctx.dropout(x[:, ::2], 0.5)
+    # Each message names the keyword, the shape and strides, and a remedy in that keyword's terms.
+    bits = torch.zeros(128, device="cuda", dtype=torch.int32)  # 4096 bits: x's elements
+    narrow = torch.ones(64, 32, device="cuda", dtype=torch.float16)
+    for call, message in [
+            (lambda: inferctx.apply_mask(x[:, ::2], bits, 0.5),
+             "grad: shape [64, 32] with strides [64, 2] (elements) is not contiguous; pass a contiguous "
+             "copy (grad.contiguous() in torch, cupy.ascontiguousarray(grad) in CuPy)"),
+            (lambda: inferctx.dropout(narrow, 0.5, out=torch.empty(64, 64, device="cuda",
+                                                                       dtype=torch.float16)[:, ::2]),
+             "out: shape [64, 32] with strides [64, 2] (elements) is not contiguous; pass a contiguous "
+             "array of that shape, or no out= for a new result"),
+            (lambda: inferctx.dropout(x, 0.5, mask_out=bits.repeat(2)[::2]),
+             "mask_out: shape [128] with strides [2] (elements) is not contiguous; pass a contiguous "
+             "array, or no mask_out= for a new one"),
+            (lambda: inferctx.apply_mask(x, bits.repeat(2)[::2], 0.5),
+             "mask: shape [128] with strides [2] (elements) is not contiguous; pass a contiguous array")]:
+        with pytest.raises(ConfigError) as refused:
+            call()
+        assert str(refused.value).startswith(message), str(refused.value)
 
 
 def test_unsupported_dtypes_are_refused(torch):
