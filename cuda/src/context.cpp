@@ -174,7 +174,8 @@ WorkspacePlan InferenceContext::gen_workspace_virtual(const PlanRequest& measure
     // A released workspace whose views are alive, or whose contents were kept, comes back whole
     // (as retake_workspace would) before it grows; otherwise nothing can see its old bytes.
     const int64_t extent = virtual_->size();
-    const bool whole = views_alive_locked() > 0 || contents_kept_;
+    const int64_t views = views_alive_locked();
+    const bool whole = views > 0 || contents_kept_;
     mapping = whole ? std::max(need, extent) : need;
     wanted = mapping;
     ok = virtual_->map(mapping, contents_kept_ ? host_copy_->data() : nullptr, contents_kept_ ? extent : 0,
@@ -186,6 +187,21 @@ WorkspacePlan InferenceContext::gen_workspace_virtual(const PlanRequest& measure
     }
     state = "the previous plan (" + describe_plan(plan_) + ") stays in force, its workspace still released" +
             (contents_kept_ ? " with its contents in host memory" : "");
+    if (!ok && mapping > need) {
+      // No smaller request can help: what is mapped is the old workspace, whole, not the plan.
+      const std::string why = views > 0 ? std::to_string(views) + " view(s) of it are alive"
+                                        : "its contents were kept (release_workspace(keep_contents=True))";
+      throw WorkspaceOOMError(
+          "gen_workspace: the released workspace comes back whole (" + human_bytes(mapping) +
+              ") before the new plan (" + std::to_string(next.max_tokens) + " tokens, " + human_bytes(need) +
+              ") can use it, because " + why + ", and mapping it failed on device " + std::to_string(device_) +
+              " (free " + human_bytes(measured.free_bytes) + " of " + human_bytes(measured.total_bytes) + "); " +
+              state +
+              ". To plan a smaller workspace, let the old one go first: drop those views (and the torch, CuPy or "
+              "JAX arrays made from them) or call release_workspace() without keep_contents, then call "
+              "gen_workspace again; or free device memory",
+          mapping, measured.free_bytes, measured.total_bytes, next.budget_bytes, -1, -1);
+    }
   }
   if (!ok) {
     throw WorkspaceOOMError(

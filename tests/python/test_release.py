@@ -500,6 +500,37 @@ def test_retake_without_memory_raises_and_leaves_the_context_released_and_consis
 
 
 @pytest.mark.gpu
+def test_a_smaller_plan_that_views_of_the_released_workspace_hold_back_says_to_drop_them(ctx, torch):
+    """Released with views alive, the workspace comes back whole before a new plan uses it. When
+    that fails, no smaller request can help: the error says why (the views), what to do (drop
+    them, then plan again), and not "ask for less"; it asked for a smaller batch_size while the
+    new plan was far within its budget."""
+    stable_only(ctx)
+    big = fresh_plan(ctx, batch_size=64, max_out_tokens=1024)
+    held = ctx.held_bytes
+    k, v = ctx.kv_cache(0)
+    ctx.release_workspace()
+    taken = hog(torch, ctx, held // 2)
+    try:
+        with pytest.raises(WorkspaceOOMError) as info:
+            plan_small(ctx)  # a few MiB: within the free memory measured
+        e = info.value
+        message = str(e)
+        assert e.requested_bytes == held and e.requested_bytes > e.budget_bytes
+        assert "the released workspace comes back whole" in message
+        assert f"{ctx.views_alive} view(s) of it are alive" in message
+        assert "drop those views" in message and "Ask for less" not in message
+        assert ctx.released and ctx.plan is big
+    finally:
+        del taken
+        torch.cuda.empty_cache()
+    del k, v
+    gc.collect()
+    plan = plan_small(ctx)  # with the views gone, only the plan's bytes are mapped
+    assert not ctx.released and ctx.held_bytes == plan.workspace_bytes
+
+
+@pytest.mark.gpu
 def test_a_workspace_past_8_gib_is_mapped_in_parallel_parts_and_a_failed_retake_keeps_none(ctx, torch):
     stable_only(ctx)
     # batch 512: about 38 MiB a token, so the 12 GiB limit holds a little over 300 tokens; from 8 GiB
