@@ -127,9 +127,13 @@ cdef CudaArray _cuda_array(uintptr_t ptr, tuple shape, tuple strides, int64_t si
 
 
 cdef str _not_cuda(object obj, str argument, str where):
+    # An output on the host cannot be mended by moving it: the copy, not it, would be written.
+    remedy = (f"Pass a CUDA array, or no {argument}= for a new result"
+              if argument == "out" or argument == "mask_out" else
+              f"Put it on the GPU first, e.g. torch.as_tensor({argument}, device='cuda') or "
+              f"cupy.asarray({argument})")
     return (f"{argument} must be a CUDA array (DLPack or __cuda_array_interface__); got a "
-            f"{_type_name(obj)} {where}. Put it on the GPU first, e.g. torch.as_tensor(x, "
-            f"device='cuda') or cupy.asarray(x)")
+            f"{_type_name(obj)} {where}. {remedy}")
 
 
 cdef str _device_words(int device_type):
@@ -226,7 +230,8 @@ cdef CudaArray _from_cuda_array_interface(object obj, str argument, uintptr_t st
         dtype = None  # big-endian; for one-byte items the byte order means nothing
     if dtype is None:
         raise _ConfigError(f"{argument}: its typestr {_brief(typestr)} is not one inferctx handles "
-                           f"(little-endian {', '.join(_DTYPE_NAMES)})", argument=argument)
+                           f"(little-endian {', '.join([_DTYPE_NAMES[d] for d in _DTYPE_BY_TYPESTR.values()])}"
+                           f"; bfloat16 has no typestr: pass it by DLPack)", argument=argument)
     cdef int64_t itemsize = _DTYPE_ITEMSIZE[<int>dtype]
     shape = _interface_ints(obj, argument, "shape", interface["shape"], False)
     cdef int64_t size = _shape_size(shape, itemsize, argument)

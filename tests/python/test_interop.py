@@ -175,6 +175,31 @@ def test_cuda_array_interface_big_endian_items_of_more_than_a_byte_are_refused(t
     assert info.value.argument == "x"
 
 
+def test_a_typestr_refusal_lists_the_typestrs_there_are_and_sends_bfloat16_to_dlpack():
+    class Producer:  # ml_dtypes' bfloat16 has the typestr '<V2': the interface has none for it
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<V2", "data": (0, False), "version": 3}
+
+    with pytest.raises(ConfigError) as info:
+        _core._as_cuda_array(Producer(), "x")
+    message = str(info.value)
+    listed = message[message.index("(little-endian ") + len("(little-endian "):message.index(";")]
+    assert "bfloat16" not in listed.split(", ") and {"float32", "float16", "uint8"} <= set(listed.split(", "))
+    assert message.endswith("; bfloat16 has no typestr: pass it by DLPack)")
+
+
+@pytest.mark.parametrize("argument, remedy", [
+    ("grad", "Put it on the GPU first, e.g. torch.as_tensor(grad, device='cuda') or cupy.asarray(grad)"),
+    ("mask", "Put it on the GPU first, e.g. torch.as_tensor(mask, device='cuda') or cupy.asarray(mask)"),
+    ("out", "Pass a CUDA array, or no out= for a new result"),
+    ("mask_out", "Pass a CUDA array, or no mask_out= for a new result")])
+def test_a_host_array_is_told_the_remedy_in_its_own_keywords_terms(argument, remedy):
+    # The remedy named x whatever the argument, and told an output to move to the GPU, which
+    # makes a copy that the call would write instead.
+    with pytest.raises(ConfigError) as info:
+        _core._as_cuda_array(np.zeros(3), argument)
+    assert info.value.argument == argument and str(info.value).endswith(remedy), str(info.value)
+
+
 @pytest.mark.parametrize("mask", [["bits"], {}, {"bits": 2}, 2, b"bits"])
 def test_dropout_mask_that_is_no_mask_name_is_refused_naming_mask(mask):
     """Checked before the operand is read, so on any machine; a list or dict is unhashable and
