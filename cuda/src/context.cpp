@@ -290,8 +290,16 @@ WorkspacePlan InferenceContext::gen_workspace_malloc(const PlanRequest& measured
   if (was_released && contents_kept_) {
     // Kept contents come back into the new allocation, as far as it reaches.
     const int64_t n = std::min(workspace_->size(), host_copy_->size());
-    copy_async(workspace_->data(), host_copy_->data(), n, own_stream_.handle(), device_);
-    own_stream_.synchronize();
+    try {
+      copy_async(workspace_->data(), host_copy_->data(), n, own_stream_.handle(), device_);
+      own_stream_.synchronize();
+    } catch (...) {
+      // They did not come back: the context stays released with them and its previous plan
+      // (retake_workspace tries again), and a released context holds no allocation. Kept, the
+      // new one was counted nowhere (held_bytes 0) and no release would free it.
+      workspace_.reset();
+      throw;
+    }
   }
   contents_kept_ = false;
   released_ = false;

@@ -452,6 +452,37 @@ def test_gpu_a_failed_keep_contents_release_keeps_the_workspace_and_its_bytes(fa
 
 @pytest.mark.gpu
 @needs_hook
+def test_gpu_a_failed_restore_of_kept_contents_by_a_new_plan_keeps_them_and_holds_nothing(faults):
+    """Under the cudaMalloc fallback a plan made while released with kept contents allocates
+    anew and copies them back. When that copy fails, the context stays released with its
+    contents and its previous plan, and holds no device memory: before, the new allocation
+    stayed, counted nowhere (held_bytes 0), and no release_workspace() would free it."""
+    if faults.addresses_stable:
+        pytest.skip("cudamalloc: under virtual memory a plan's restore is the mapping's, as a retake's")
+    plan = faults.plan
+    pattern = (np.arange(faults.kv_cache(0)[0].nbytes) * 5 % 253).astype(np.uint8)
+    fill(faults.kv_cache(0)[0], pattern)
+    gc.collect()  # no view alive: the fallback's release frees the allocation
+    faults.release_workspace(keep_contents=True)
+    free_released = settled_free_memory(faults)
+    for code in codes("copy"):
+        _core._fault_arm("copy", 1, code)
+        try:
+            with pytest.raises(CudaError) as info:
+                plan_small(faults, batch_size=8, max_out_tokens=512)  # larger: a new allocation
+        finally:
+            _core._fault_disarm_all()
+        assert info.value.code == code
+        assert faults.released and faults.held_bytes == 0 and faults.plan is plan
+        assert faults.host_copy_bytes > 0
+        assert abs(settled_free_memory(faults) - free_released) <= SLACK, "the new allocation stayed"
+    faults.retake_workspace()
+    assert faults.plan is plan
+    assert np.array_equal(host_values(faults.kv_cache(0)[0]), pattern)
+
+
+@pytest.mark.gpu
+@needs_hook
 def test_gpu_a_failed_unmap_is_retried_so_a_release_frees_the_workspace(faults):
     """Every cuMemUnmap and cuMemRelease of a release fails in turn: the release raises
     CudaError with the code, yet (the failed call tried once more, the other chunks let go) the
