@@ -128,6 +128,7 @@ cdef class _PlanMade:
     """A plan the C++ context made and put in force, with its request and result as dicts."""
 
     cdef WorkspacePlan plan
+    cdef uint64_t generation  # the C++ context's plan_generation() with it in force
     cdef tuple args  # the arguments of the request it was made from (the context's _last_args)
     cdef readonly dict request
     cdef readonly dict result
@@ -155,6 +156,7 @@ cdef class InferenceContext:
     cdef object _plan
     cdef tuple _last_args  # arguments of the last request (coerced into _last_request)
     cdef tuple _plan_args  # _last_args when the plan in force was made from it
+    cdef uint64_t _adopted_generation  # the C++ plan_generation() of the plan adopted
     cdef PlanRequest _last_request
     cdef tuple _logged
     cdef int _dtype
@@ -216,19 +218,44 @@ cdef class InferenceContext:
             self._last_args = args
         cdef PlanRequest request = self._last_request
         cdef WorkspacePlan p
+        cdef uint64_t generation
         with nogil:
             p = self._c.gen_workspace(request)
+            generation = self._c.plan_generation()
         _note_released(self)
         old = self._plan
         if (same and self._plan_args is self._last_args and p.request.free_bytes == old.free_bytes
                 and p.request.total_bytes == old.total_bytes):
+            self._adopted_generation = generation  # put in force again: the plan adopted stands
             return old  # the plan is a function of the request and the memory figures
+        return self._made(p)
+
+    cdef _PlanMade _made(self, const WorkspacePlan& p):
         cdef _PlanMade made = _PlanMade.__new__(_PlanMade)
         made.plan = p
+        with nogil:  # (the C++ mutex, which a release may hold while it copies)
+            made.generation = self._c.plan_generation()
         made.args = self._last_args
         made.request = request_to_dict(p.request)
         made.result = plan_to_dict(p)
         return made
+
+    def _unadopted_plan(self):
+        """The plan C++ put in force that was not adopted (a _PlanMade), else None: where
+        gen_workspace was interrupted (Ctrl-C raises its KeyboardInterrupt at the first Python
+        instruction after the compiled call, with the new plan already in force) between the
+        two halves. Called under the workspace lock, as gen_workspace's halves are."""
+        cdef uint64_t generation
+        cdef bint has_plan
+        cdef WorkspacePlan p
+        with nogil:
+            generation = self._c.plan_generation()
+            has_plan = self._c.has_plan()
+        if generation == self._adopted_generation or not has_plan:
+            return None
+        with nogil:
+            p = self._c.plan()
+        return self._made(p)
 
     def _adopt_plan(self, plan, _PlanMade made not None):
         """Puts `plan` (the WorkspacePlan of `made`) in force for the view accessors.
@@ -237,6 +264,7 @@ cdef class InferenceContext:
         """
         self._set_layout(made.plan, plan)
         self._plan_args = made.args
+        self._adopted_generation = made.generation
         logged = (made.args, made.plan.max_tokens, made.plan.workspace_bytes)
         if self._logged is None or not _same_arguments(logged, self._logged):
             self._logged = logged

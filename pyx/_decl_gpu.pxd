@@ -175,6 +175,7 @@ cdef extern from "inferctx/context.hpp" namespace "inferctx" nogil:
         WorkspacePlan gen_workspace(const PlanRequest& request) except +raise_inferctx_error
         bool has_plan()
         WorkspacePlan plan() except +raise_inferctx_error
+        uint64_t plan_generation()
         shared_ptr[DeviceAllocation] workspace() except +raise_inferctx_error
         int64_t workspace_bytes()
         int64_t max_token_length()

@@ -120,6 +120,7 @@ int64_t InferenceContext::views_alive_locked() const {
 void InferenceContext::commit_plan_locked(const WorkspacePlan& next) {
   plan_ = next;
   has_plan_ = true;
+  ++plan_generation_;
   token_limit_.store(next.max_tokens, std::memory_order_relaxed);
 }
 
@@ -310,6 +311,11 @@ WorkspacePlan InferenceContext::gen_workspace_malloc(const PlanRequest& measured
 bool InferenceContext::has_plan() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return has_plan_;
+}
+
+uint64_t InferenceContext::plan_generation() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return plan_generation_;
 }
 
 WorkspacePlan InferenceContext::plan() const {

@@ -59,26 +59,38 @@ class InferenceContext(_core.InferenceContext):
         args = (shape, batch_size, prompt_len, max_out_tokens, min_out_tokens, dtype, mp_size,
                 rank, external_cache, policy, reserve_bytes, memory_limit_bytes, memory_fraction)
         with self._workspace_lock:  # another thread's call cannot come between plan and layout
-            made = self._gen_workspace(args, None)  # None when args are not the last request's
-            if made is None:
-                made = self._gen_workspace(args, _request_fields(
-                    shape, batch_size=batch_size, prompt_len=prompt_len,
-                    max_out_tokens=max_out_tokens, min_out_tokens=min_out_tokens, dtype=dtype,
-                    mp_size=mp_size, rank=rank, external_cache=external_cache, policy=policy,
-                    free_bytes=0, total_bytes=1, reserve_bytes=reserve_bytes,
-                    memory_limit_bytes=memory_limit_bytes, memory_fraction=memory_fraction))
-            if isinstance(made, WorkspacePlan):
-                return made  # the plan in force stands
-            assert made is not None  # a request was given
-            # Free memory is read now, with the weights already loaded: none are subtracted again.
-            plan = WorkspacePlan._from_result(
-                made.request, made.result,
-                {"memory": f"cuda:{self.device}, read now by gen_workspace", "weights": "none"},
-                shape=_as_shape(shape))
-            changed = self._adopt_plan(plan, made)
+            try:
+                made = self._gen_workspace(args, None)  # None when args are not the last request's
+                if made is None:
+                    made = self._gen_workspace(args, _request_fields(
+                        shape, batch_size=batch_size, prompt_len=prompt_len,
+                        max_out_tokens=max_out_tokens, min_out_tokens=min_out_tokens, dtype=dtype,
+                        mp_size=mp_size, rank=rank, external_cache=external_cache, policy=policy,
+                        free_bytes=0, total_bytes=1, reserve_bytes=reserve_bytes,
+                        memory_limit_bytes=memory_limit_bytes, memory_fraction=memory_fraction))
+                if isinstance(made, WorkspacePlan):
+                    return made  # the plan in force stands
+                assert made is not None  # a request was given
+                plan = self._plan_of(made, shape)
+                changed = self._adopt_plan(plan, made)
+            except BaseException:
+                # Ctrl-C during the compiled call is raised at the first Python instruction after
+                # it, with the new plan already in force in C++: adopted here, or the views'
+                # layout and ctx.plan would be the old plan's (None where nothing was put in force).
+                unadopted = self._unadopted_plan()
+                if unadopted is not None:
+                    self._adopt_plan(self._plan_of(unadopted, shape), unadopted)
+                raise
         if changed:
             _log_plan(plan, self.device)
         return plan
+
+    def _plan_of(self, made: _core._PlanMade, shape: Any) -> WorkspacePlan:
+        # Free memory is read now, with the weights already loaded: none are subtracted again.
+        return WorkspacePlan._from_result(
+            made.request, made.result,
+            {"memory": f"cuda:{self.device}, read now by gen_workspace", "weights": "none"},
+            shape=_as_shape(shape))
 
     def _created(self, fallback_reason: str | None) -> None:
         if fallback_reason is not None:

@@ -77,6 +77,49 @@ def test_gen_workspace_reads_a_mutable_argument_again(ctx):  # noqa: F811
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("when", ["after the compiled call", "while the plan is described"])
+def test_ctrl_c_on_the_way_back_from_gen_workspace_leaves_the_new_plan_adopted(ctx, monkeypatch, when):  # noqa: F811
+    """Ctrl-C during gen_workspace's compiled call (seconds, for a large mapping or kept contents
+    copied back) is raised at the first Python instruction after it, with the new plan already in
+    force in C++. Simulated at that instruction, and at one later, before the plan is adopted:
+    ctx.plan and the views' layout must be the new plan's, as max_token_length and the
+    allocation are. Before, they stayed the old plan's until the next gen_workspace."""
+    from inferctx.planning import WorkspacePlan
+
+    if when == "after the compiled call":
+        real = InferenceContext._gen_workspace
+
+        def interrupted(self, args, fields):
+            made = real(self, args, fields)
+            if made is not None and not isinstance(made, WorkspacePlan):
+                raise KeyboardInterrupt
+            return made
+        monkeypatch.setattr(InferenceContext, "_gen_workspace", interrupted)
+    else:
+        real = InferenceContext._plan_of
+        calls = []
+
+        def interrupted(self, made, shape):  # the first time only: the interrupt comes once
+            calls.append(made)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return real(self, made, shape)
+        monkeypatch.setattr(InferenceContext, "_plan_of", interrupted)
+    before = ctx.plan
+    with pytest.raises(KeyboardInterrupt):
+        plan_small(ctx, max_out_tokens=128)
+    monkeypatch.undo()
+    after = ctx.plan
+    assert after is not before and after.max_tokens == ctx.max_token_length != before.max_tokens
+    k, _ = ctx.kv_cache(0)
+    assert k.shape == (KV_SHAPE[0], KV_SHAPE[1], ctx.max_token_length, KV_SHAPE[3])
+    assert ctx.workspace.nbytes == after.workspace_bytes == ctx.workspace_bytes
+    again = plan_small(ctx, max_out_tokens=128)
+    assert again.max_tokens == after.max_tokens and ctx.plan is again
+    plan_small(ctx)
+
+
+@pytest.mark.gpu
 def test_one_context_per_device():
     current = _core._current_device()
     ctx0 = InferenceContext.instance()

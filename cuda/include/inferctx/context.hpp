@@ -64,6 +64,7 @@ class InferenceContext {
 
   bool has_plan() const;
   WorkspacePlan plan() const;                              // WorkspaceStateError when none
+  uint64_t plan_generation() const;                        // plans put in force so far
   std::shared_ptr<DeviceAllocation> workspace() const;     // WorkspaceStateError: none / released
   int64_t workspace_bytes() const;                         // bytes of the plan, 0 when none
   int64_t max_token_length() const;                        // plan's max_tokens, 0 when none
@@ -161,6 +162,7 @@ class InferenceContext {
   std::unique_ptr<Event> comp_done_, comm_done_;
   bool has_plan_ = false;
   WorkspacePlan plan_;
+  uint64_t plan_generation_ = 0;  // counts commit_plan_locked calls
   std::shared_ptr<DeviceAllocation> workspace_;  // under stable addresses: virtual_, also released
   VirtualAllocation* virtual_ = nullptr;         // workspace_ as the VMM range, when there is one
   bool released_ = false;
