@@ -43,12 +43,20 @@ cdef InferenceContext _context_of(object device):
     else:
         n = _int_arg(device, "device")
         if not 0 <= n < (1 << 31):
-            raise _ConfigError(f"device: got {_brief(device)}; it must be a device ordinal "
-                               ">= 0 (or None for the current device)", argument="device")
+            raise _ConfigError(f"device: got {_brief(device)}; it must be the ordinal of a visible "
+                               "device (0, 1, ...), or None for the current device",
+                               argument="device")
         d = <int>n
     found = _contexts.get(d)
     if found is not None:
         return <InferenceContext>found
+    if device is not None:
+        # Said here in Python's terms (the C++ layer's message offers -1 for the current device).
+        count = _device_count()  # NoCudaDeviceError where there is none
+        if d >= count:
+            raise _ConfigError(f"device: got {d}; valid: 0..{count - 1} ({count} visible "
+                               f"device{'s' if count != 1 else ''}), or None for the current device",
+                               argument="device")
     return _create_context(d)
 
 

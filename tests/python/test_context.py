@@ -50,11 +50,25 @@ def test_context_is_not_constructed_directly():
         InferenceContext()
 
 
-@pytest.mark.parametrize("device", [True, 1.0, "0", -1])
+@pytest.mark.parametrize("device", [True, 1.0, "0", -1, 2**31])
 def test_instance_rejects_bad_device_before_touching_cuda(device):
     with pytest.raises(ConfigError) as info:
         InferenceContext.instance(device)
     assert info.value.argument == "device" and repr(device) in str(info.value)
+    if isinstance(device, int) and not isinstance(device, bool):
+        assert str(info.value).endswith("it must be the ordinal of a visible device (0, 1, ...), or None "
+                                        "for the current device")
+
+
+@pytest.mark.gpu
+def test_instance_past_the_device_count_says_the_valid_range_in_pythons_terms():
+    # The C++ layer's message offered -1 for the current device, which Python refuses.
+    count = _core._device_count()
+    with pytest.raises(ConfigError) as info:
+        InferenceContext.instance(count)
+    assert info.value.argument == "device"
+    assert str(info.value) == (f"device: got {count}; valid: 0..{count - 1} ({count} visible "
+                               f"device{'s' if count != 1 else ''}), or None for the current device")
 
 
 # -- one context per device -------------------------------------------------------------------
