@@ -415,21 +415,38 @@ def test_cpu_generate_on_a_workspace_planned_again_or_released_is_refused_before
     want = dec.generate(prompt).tokens
     tokens = ctx.current_tokens
     dec.release()
-    for call in (dec.generate, dec.prefill):
+    for call, name in ((dec.generate, "generate"), (dec.prefill, "prefill")):
         with pytest.raises(inferctx.WorkspaceStateError) as info:
             call(prompt)
-        assert str(info.value) == "prefill: the workspace is released; call retake() (or ctx.retake_workspace()) first"
+        assert str(info.value) == f"{name}: the workspace is released; call retake() (or ctx.retake_workspace()) first"
     assert ctx.current_tokens == tokens and ctx.released
     dec.retake()
     assert torch.equal(dec.generate(prompt).tokens, want)
     ctx.gen_workspace(spec.model_shape(), batch_size=1, prompt_len=4, max_out_tokens=16, dtype="float32")
     tokens = ctx.current_tokens
-    for call in (dec.generate, dec.prefill):
+    for call, name in ((dec.generate, "generate"), (dec.prefill, "prefill")):
         with pytest.raises(inferctx.WorkspaceStateError) as info:
             call(prompt)
-        assert str(info.value) == ("prefill: the context's workspace was planned again (gen_workspace) since this "
+        assert str(info.value) == (f"{name}: the context's workspace was planned again (gen_workspace) since this "
                                    "decoder planned it; make a new ReferenceDecoder")
     assert ctx.current_tokens == tokens
+
+
+def test_cpu_generate_after_another_decoder_planned_a_smaller_cache_says_to_make_a_new_decoder(cpu):
+    # The token limit in force is the other decoder's: checked first, it advised a smaller
+    # max_new_tokens that the next call refused all the same (the plan is not this decoder's).
+    torch = cpu
+    from inferctx.decoder import ReferenceDecoder, build_hf_model
+
+    spec, ctx, first = _tiny_llama_on_the_cpu(max_new_tokens=32)
+    ReferenceDecoder(build_hf_model(spec, seed=0), batch_size=2, prompt_len=4, max_new_tokens=2,
+                     dtype="float32", ctx=ctx)  # plans a cache of 5 tokens
+    prompt = torch.randint(0, spec.vocab_size, (2, 4), generator=torch.Generator().manual_seed(7))
+    for n in (None, 2):
+        with pytest.raises(inferctx.WorkspaceStateError) as info:
+            first.generate(prompt, n)
+        assert str(info.value) == ("generate: the context's workspace was planned again (gen_workspace) since "
+                                   "this decoder planned it; make a new ReferenceDecoder")
 
 
 # -- the CPU products hold to inferctx.gemm's contract ------------------------------------------------

@@ -593,6 +593,9 @@ class ReferenceDecoder:
         return_logits = _flag(return_logits, "return_logits")
         timing = _flag(timing, "timing")
         self._check_prompt_fits(prompt)  # before the logits are allocated for n steps
+        # Before the token limit, which is that of the plan in force: another decoder's, if it
+        # planned the workspace again, whose limit this one could not meet whatever it asked.
+        self._check_state("generate")
         on_gpu = self._stream is not None
         rows, length = prompt.shape
         # The prefill takes the prompt's tokens, each step one more: all must fit the KV cache
