@@ -6,7 +6,8 @@ from libc.stdint cimport uintptr_t
 from libcpp.memory cimport unique_ptr
 
 from inferctx._decl_gpu cimport (
-    CppEvent, CppStream, cudaError_t, cudaGetLastError, cudaStreamCaptureStatus,
+    CppEvent, CppStream, cudaError_t, cudaGetDevice, cudaGetLastError, cudaSetDevice,
+    cudaStreamCaptureStatus,
     cudaStreamCaptureStatusNone, cudaStreamGetDevice, cudaStreamIsCapturing, cudaStreamLegacy,
     cudaStreamPerThread, cudaStream_t, cudaSuccess, stream_is_on_device, stream_was_destroyed)
 
@@ -232,12 +233,22 @@ cdef class Stream:
         cdef cudaError_t asked = cudaSuccess
         cdef unsigned long long theirs = 0
         cdef unsigned long long ours = 0
+        cdef int previous = -1
         if mine <= <uintptr_t>cudaStreamLegacy:
             # The legacy stream cannot join a capture (CUDA's fork): the wait would fail and end
-            # the capture. Refused first, as a call's stream= is (_record_then_wait).
+            # the capture. Refused first, as a call's stream= is (_record_then_wait). Asked with
+            # this stream's device current: the legacy handle names the current device's stream.
             with nogil:
-                theirs = _capture_id(<cudaStream_t>handle, &asked)
-                ours = _capture_id(<cudaStream_t>mine, &asked)
+                asked = cudaGetDevice(&previous)
+                if asked == cudaSuccess and previous != self._device:
+                    asked = cudaSetDevice(self._device)
+                if asked == cudaSuccess:
+                    theirs = _capture_id(<cudaStream_t>handle, &asked)
+                    ours = _capture_id(<cudaStream_t>mine, &asked)
+                    if previous != self._device:
+                        cudaSetDevice(previous)
+                else:
+                    cudaGetLastError()  # the wait below reports a device that cannot be used
             if asked == cudaSuccess and theirs != 0 and theirs != <unsigned long long>-1 and ours != theirs:
                 raise _ConfigError(
                     f"other: {handle:#x} is capturing a CUDA graph, which this Stream, the legacy "

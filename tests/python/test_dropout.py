@@ -504,7 +504,8 @@ class Tagged(torch.Tensor):
 
 x = torch.randn(1000, device="cuda").as_subclass(Tagged)
 plain = torch.randn(1000, device="cuda")
-y0, m0 = inferctx.dropout(x, 0.5)          # the process's first dropout: a subclass
+inferctx.InferenceContext.instance()       # the fast path runs once the device's context exists
+y0, m0 = inferctx.dropout(x, 0.5)          # the process's first fast-path dropout: a subclass
 y1, m1 = inferctx.dropout(plain, 0.5)      # then a plain tensor on the same device
 torch.cuda.synchronize()
 print(type(m0).__name__, type(y1).__name__, type(m1).__name__)
@@ -512,7 +513,8 @@ print(type(m0).__name__, type(y1).__name__, type(m1).__name__)
 
 
 def test_a_subclass_first_leaves_the_masks_of_later_plain_tensors_plain():
-    # In a child: the process's first dropout on the device must be the subclass's. The mask of
+    # In a child: the process's first fast-path dropout on the device (its context made first:
+    # without one the general path runs) must be the subclass's. The mask of
     # a subclass's x is made by its own new_empty (as the general path's results are); before,
     # the first x's new_empty made the template of every later mask on the device.
     pytest.importorskip("torch")
