@@ -52,6 +52,16 @@ cdef bint _capturing(uintptr_t stream) noexcept:
     return capture != 0 and error == cudaSuccess
 
 
+cdef bint _cannot_join(unsigned long long producer_capture, unsigned long long consumer_capture,
+                       uintptr_t consumer) noexcept nogil:
+    """Whether `consumer`, a default stream (legacy 1, per-thread 2) not in the capture its
+    producer makes (ids from _capture_id), would have to join it, which CUDA refuses (the work
+    queued would end the capture). That includes the legacy stream while a blocking stream
+    captures, of which CUDA will not say whether it captures (its id is `unknown`)."""
+    return (producer_capture != 0 and producer_capture != <unsigned long long>-1
+            and consumer_capture != producer_capture and consumer <= 2)
+
+
 cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t producer,
                                    cudaStream_t consumer, bint fork) noexcept nogil:
     # On `device`, which the special handles (legacy, per-thread) refer to; the caller's device
@@ -72,15 +82,11 @@ cdef cudaError_t _record_then_wait(int device, cudaEvent_t event, cudaStream_t p
     cdef unsigned long long unknown = <unsigned long long>-1
     cdef unsigned long long p = _capture_id(producer, &status)
     cdef unsigned long long c = _capture_id(consumer, &status)
-    cdef bint producer_captures = p != 0 and p != unknown
-    cdef bint joins_capture = fork and c == 0 and producer_captures
+    cdef bint joins_capture = fork and c == 0 and p != 0 and p != unknown
     if status != cudaSuccess:
         pass  # a stream that does not exist: reported by _order
-    elif fork and producer_captures and c != p and <uintptr_t>consumer <= 2:
-        # A default stream (legacy 1, per-thread 2) cannot join a capture: _order says so. That
-        # includes the legacy stream while a blocking stream captures, of which CUDA will not
-        # say whether it captures (c is `unknown`): work queued on it would end the capture.
-        status = cudaErrorStreamCaptureImplicit
+    elif fork and _cannot_join(p, c, <uintptr_t>consumer):
+        status = cudaErrorStreamCaptureImplicit  # _order says so
     elif joins_capture or (p == c and p != unknown):
         status = <cudaError_t>inferctx_fault_handshake()
         if status == cudaSuccess:
@@ -228,13 +234,12 @@ cdef class InferenceContext:
                 and p.request.total_bytes == old.total_bytes):
             self._adopted_generation = generation  # put in force again: the plan adopted stands
             return old  # the plan is a function of the request and the memory figures
-        return self._made(p)
+        return self._made(p, generation)
 
-    cdef _PlanMade _made(self, const WorkspacePlan& p):
+    cdef _PlanMade _made(self, const WorkspacePlan& p, uint64_t generation):
         cdef _PlanMade made = _PlanMade.__new__(_PlanMade)
         made.plan = p
-        with nogil:  # (the C++ mutex, which a release may hold while it copies)
-            made.generation = self._c.plan_generation()
+        made.generation = generation
         made.args = self._last_args
         made.request = request_to_dict(p.request)
         made.result = plan_to_dict(p)
@@ -246,16 +251,14 @@ cdef class InferenceContext:
         instruction after the compiled call, with the new plan already in force) between the
         two halves. Called under the workspace lock, as gen_workspace's halves are."""
         cdef uint64_t generation
-        cdef bint has_plan
         cdef WorkspacePlan p
-        with nogil:
+        with nogil:  # (the C++ mutex, which a release may hold while it copies)
             generation = self._c.plan_generation()
-            has_plan = self._c.has_plan()
-        if generation == self._adopted_generation or not has_plan:
+        if generation == self._adopted_generation:  # 0 too: no plan was ever put in force
             return None
         with nogil:
             p = self._c.plan()
-        return self._made(p)
+        return self._made(p, generation)
 
     def _adopt_plan(self, plan, _PlanMade made not None):
         """Puts `plan` (the WorkspacePlan of `made`) in force for the view accessors.

@@ -105,12 +105,13 @@ cdef class PinnedBuffer:
                 self._copy_pending = False
         return 0
 
-    cdef int _track(self, int device, uintptr_t stream) except -1:
+    cdef int _track(self, int device, uintptr_t stream, bint captured) except -1:
         """Records that a copy using this buffer was queued on `stream` of `device`. A copy
-        queued while `stream` captures a CUDA graph is not: it is made at each replay of the
-        graph, which the caller waits for, as for all a replay writes (an event recorded in the
-        capture could not be waited for by the host at all: cudaErrorCapturedEvent)."""
-        if _capturing(stream):
+        queued while `stream` captures a CUDA graph (`captured`, which the caller asked once)
+        is not: it is made at each replay of the graph, which the caller waits for, as for all
+        a replay writes (an event recorded in the capture could not be waited for by the host
+        at all: cudaErrorCapturedEvent)."""
+        if captured:
             return 0
         if self._last_copy.get() == NULL or self._last_copy.get().device() != device:
             self._wait_copies()

@@ -234,10 +234,10 @@ cdef class Stream:
         cdef unsigned long long theirs = 0
         cdef unsigned long long ours = 0
         cdef int previous = -1
-        if mine <= <uintptr_t>cudaStreamLegacy:
-            # The legacy stream cannot join a capture (CUDA's fork): the wait would fail and end
-            # the capture. Refused first, as a call's stream= is (_record_then_wait). Asked with
-            # this stream's device current: the legacy handle names the current device's stream.
+        if mine <= <uintptr_t>cudaStreamPerThread:
+            # A default stream cannot join a capture (CUDA's fork): the wait would fail and end
+            # the capture. Refused first, as a call's stream= is (_cannot_join). Asked with this
+            # stream's device current: a default handle names the current device's stream.
             with nogil:
                 asked = cudaGetDevice(&previous)
                 if asked == cudaSuccess and previous != self._device:
@@ -249,11 +249,12 @@ cdef class Stream:
                         cudaSetDevice(previous)
                 else:
                     cudaGetLastError()  # the wait below reports a device that cannot be used
-            if asked == cudaSuccess and theirs != 0 and theirs != <unsigned long long>-1 and ours != theirs:
+            if asked == cudaSuccess and _cannot_join(theirs, ours, mine):
                 raise _ConfigError(
-                    f"other: {handle:#x} is capturing a CUDA graph, which this Stream, the legacy "
-                    f"default stream ({mine:#x}), cannot join; make a stream of your "
-                    f"own wait instead (inferctx.Stream(), torch.cuda.Stream())", argument="other")
+                    f"other: {handle:#x} is capturing a CUDA graph, which this Stream, a default "
+                    f"stream ({mine:#x}: legacy or per-thread), cannot join; make a stream of "
+                    f"your own wait instead (inferctx.Stream(), torch.cuda.Stream())",
+                    argument="other")
         cdef Event event = Event(source)
         cdef CppEvent* e = event._get()
         cdef int waiting = self._device

@@ -219,7 +219,7 @@ cdef class DeviceView:
         try:
             _note_use(self, on)
             _copy(host._ptr, self._ptr, self._nbytes, on, self._device)
-            host._track(self._device, on)
+            host._track(self._device, on, _capturing(on))
         except BaseException:
             # `on` may have been made to join a CUDA-graph capture of `producer`'s: joined back,
             # or the capture could not end (the copy's error is the one raised)
@@ -241,16 +241,18 @@ cdef class DeviceView:
         cdef uintptr_t producer = _ctx_stream(self._ctx)
         cdef uintptr_t on = producer if stream is None else _checked_stream(stream, self._device,
                                                                             "stream")
+        cdef bint captured
         self._ctx._order(producer, on, True)  # joined back below
         try:
             # After the order: a `stream=` that is not capturing has now joined a capture of
             # ctx.stream's. (In a capture the copy is made at replays, which a wait now would
             # not order; and a host wait there would end a capture made in the global mode.)
-            if not _capturing(on):
+            captured = _capturing(on)
+            if not captured:
                 host._wait_copies()
             _note_use(self, on)
             _copy(self._ptr, host._ptr, self._nbytes, on, self._device)
-            host._track(self._device, on)
+            host._track(self._device, on, captured)
         except BaseException:
             # `on` may have been made to join a CUDA-graph capture of `producer`'s: joined back,
             # or the capture could not end (the copy's error is the one raised)
@@ -271,7 +273,7 @@ cdef class DeviceView:
         cdef PinnedBuffer host = PinnedBuffer(self._nbytes)
         _note_use(self, producer)
         _copy(host._ptr, self._ptr, self._nbytes, producer, self._device)
-        host._track(self._device, producer)
+        host._track(self._device, producer, False)  # not capturing: refused above
         host._wait_copies()
         return host
 
