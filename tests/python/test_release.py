@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from gpu_context import KV_SHAPE, ctx, live_views_report, plan_small  # noqa: F401 (fixture)
 
@@ -129,7 +130,6 @@ def test_100_cycles_keep_the_workspace_and_torch_cupy_jax_views_at_their_address
     stable_only(ctx)
     cupy = pytest.importorskip("cupy")
     jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
 
     plan = fresh_plan(ctx, batch_size=64, max_out_tokens=1024, dtype="float32")  # ~3.5 GiB
     held = ctx.held_bytes
@@ -165,7 +165,10 @@ def test_100_cycles_keep_the_workspace_and_torch_cupy_jax_views_at_their_address
         assert float(torch.from_dlpack(v0).double().mean()) == float(i + 1)
         torch.from_dlpack(k2).fill_(2.0)
         torch.cuda.synchronize()
-        assert float(jnp.min(j)) == float(jnp.max(j)) == 2.0
+        # JAX's array read through its own device-to-host copy. (A jax.numpy reduction here
+        # would do, but under compute-sanitizer JAX keeps the frames of a jax.numpy call's
+        # callers alive, with their locals: this test's views, seen by the next test as alive.)
+        assert np.all(np.asarray(j) == 2.0)
         c_cai.fill(float(i))  # CuPy through the CUDA array interface writes there too
         cupy.cuda.get_current_stream().synchronize()
         assert float(torch.from_dlpack(k1).double().mean()) == float(i)
