@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import sys
+import textwrap
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -545,12 +546,15 @@ def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], 
     ax.plot([r[0] for r in rows], [r[1] for r in rows], marker="o")
     ax.set_xlabel("batch size")
     ax.set_ylabel("max tokens")
-    ax.set_title(f"{names['model']} on {names['memory']}, {dtype_name(kw['dtype'])}: max tokens by batch size "
-                 f"(policy {kw['policy']})")
+    ax.locator_params(axis="both", integer=True)  # batch sizes and token counts are whole
+    # Two lines at most of the figure's width: a model given as a shape has a long name.
+    ax.set_title("\n".join(textwrap.wrap(
+        f"{names['model']} on {names['memory']}, {dtype_name(kw['dtype'])}: max tokens by batch size "
+        f"(policy {kw['policy']})", 72)), fontsize="medium")
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
     temporary = None
     try:
+        fig.tight_layout()  # draws the text: a matplotlibrc's text.usetex without LaTeX fails here
         # Drawn into a new file beside the target and renamed over it once whole: a failure, a full
         # disk or Ctrl-C midway leaves no half-written file, and an earlier plot there as it was.
         target = os.path.realpath(path)  # through a link, the file it names is replaced
@@ -564,8 +568,12 @@ def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], 
         raise _UsageError(f"--plot: could not write {_brief(path)}: {exc.strerror or exc}") from None
     except Exception as exc:  # a format whose writer needs a program not installed (.pgf: LaTeX)
         reason = _clip_words(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        raise _UsageError(f"--plot: matplotlib could not write {_brief(path)}: {reason}; choose another "
-                          f"extension, such as .png, .svg or .pdf") from None
+        if getattr(matplotlib, "rcParams", {}).get("text.usetex"):  # LaTeX for all text, by the user's matplotlibrc
+            remedy = ("text.usetex is on in your matplotlib settings: turn it off (matplotlibrc, "
+                      "MATPLOTLIBRC) or install LaTeX")
+        else:
+            remedy = "choose another extension, such as .png, .svg or .pdf"
+        raise _UsageError(f"--plot: matplotlib could not write {_brief(path)}: {reason}; {remedy}") from None
     finally:
         plt.close(fig)
         if temporary is not None:

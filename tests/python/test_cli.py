@@ -259,7 +259,7 @@ def test_plot_is_titled_with_model_gpu_and_dtype(capsys, tmp_path, monkeypatch, 
         fake = request.getfixturevalue("fake_matplotlib")
 
         class Axes:
-            def set_title(self, title):
+            def set_title(self, title, **style):
                 titles.append(title)
 
             def __getattr__(self, name):  # plot, set_xlabel, set_ylabel, grid
@@ -278,6 +278,56 @@ def test_plot_is_titled_with_model_gpu_and_dtype(capsys, tmp_path, monkeypatch, 
                        "--sweep-batch", "3", "--plot", str(path))
     assert code == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {path}" in out
     assert titles == ["llama-2-7b on h200, bfloat16: max tokens by batch size (policy exact)"]
+
+
+def test_plot_of_a_shape_wraps_its_title_and_counts_whole_batches(capsys, tmp_path):
+    # A model given as a shape has a long name: the title wraps (it once ran past both edges of
+    # the figure), and the batch axis ticks whole numbers only (it once showed 2.5, 7.5, ...).
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    seen = []
+    original = Figure.savefig
+
+    def record(self, *a, **k):
+        ax = self.axes[0]
+        self.canvas.draw()
+        seen.append((ax.get_title(), list(ax.get_xticks()), self.get_size_inches()[0] * self.dpi,
+                     ax.title.get_window_extent()))
+        return original(self, *a, **k)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(Figure, "savefig", record):
+        code, _, _ = run(capsys, "plan", "--layers", "32", "--heads", "32", "--hidden", "4096", "--free-gb", "30",
+                         "--dtype", "bf16", "--policy", "deepspeed", "--sweep-batch", "20",
+                         "--plot", str(tmp_path / "long.png"))
+    assert code == 0
+    [(title, ticks, width, box)] = seen
+    assert title.replace("\n", " ") == ("32 layers x 32 heads, hidden 4096 on 30.00 GiB free, bfloat16: max "
+                                        "tokens by batch size (policy deepspeed)")
+    assert title.count("\n") == 1 and 0 <= box.x0 and box.x1 <= width  # inside the figure
+    assert ticks and all(float(t).is_integer() for t in ticks)
+
+
+def test_a_matplotlibrc_asking_latex_for_text_is_one_line_naming_the_setting(capsys, tmp_path, fake_matplotlib,
+                                                                            monkeypatch):
+    # text.usetex in the user's matplotlibrc, and no LaTeX: matplotlib fails as it lays the figure
+    # out, before any file is written. One line naming --plot and the setting, exit 2.
+    def no_latex(self):
+        raise RuntimeError("Failed to process string with tex because latex could not be found")
+
+    monkeypatch.setattr(fake_matplotlib, "tight_layout", no_latex)
+    monkeypatch.setattr(sys.modules["matplotlib"], "rcParams", {"text.usetex": True}, raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--gpu", "h200", "--sweep-batch", "2",
+                         "--json", "--plot", "curve.png")
+    assert code == 2 and len(json.loads(out)) == 2
+    assert err == ("inferctx: error: --plot: matplotlib could not write 'curve.png': Failed to process string "
+                   "with tex because latex could not be found; text.usetex is on in your matplotlib settings: "
+                   "turn it off (matplotlibrc, MATPLOTLIBRC) or install LaTeX\n")
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
 class _FakeFigure:
