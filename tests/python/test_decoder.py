@@ -764,7 +764,7 @@ def test_cpu_llama_decodes_past_max_positions_as_hugging_face_does(cpu):
         assert _rel(out.logits[step], ref[step]) <= 1e-4, step
     with pytest.raises(inferctx.ConfigError) as info:  # GPT-2's bound stands
         ReferenceDecoder(build_hf_model(model_spec("gpt2-tiny", max_positions=8), seed=0), batch_size=1,
-                         prompt_len=6, max_new_tokens=3, dtype="float32", ctx=CpuContext())
+                         prompt_len=6, max_new_tokens=4, dtype="float32", ctx=CpuContext())
     assert info.value.argument == "max_new_tokens" and "n_positions=8" in str(info.value)
 
 

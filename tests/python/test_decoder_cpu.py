@@ -56,37 +56,50 @@ def _tiny_llama_on_the_cpu(max_new_tokens):
 
 # -- GPT-2's positions ------------------------------------------------------------------------------
 
-def test_cpu_a_prompt_that_fills_gpt2s_positions_is_blamed_on_prompt_len(cpu):
-    # prompt_len=8 on n_positions=8 leaves no position for any new token: the error named
-    # max_new_tokens, which no value could satisfy.
+def test_cpu_gpt2s_positions_bound_what_a_generation_feeds_as_hugging_face_does(cpu):
+    # n_positions=8: a prompt of 8 and 1 new token feed 8 positions (the new token is not fed
+    # back), which transformers' generate takes; it was refused, as was any prompt_len of 8. A
+    # prompt past the positions is blamed on prompt_len, too many new tokens on max_new_tokens.
+    torch = cpu
     from inferctx.decoder import CpuContext, ReferenceDecoder, build_hf_model, model_spec
 
     hf = build_hf_model(model_spec("gpt2-tiny", max_positions=8), seed=0)
-    for prompt_len in (8, 9):
-        with pytest.raises(inferctx.ConfigError) as info:
-            ReferenceDecoder(hf, batch_size=1, prompt_len=prompt_len, max_new_tokens=1, dtype="float32",
-                             ctx=CpuContext())
-        assert info.value.argument == "prompt_len"
-        assert str(info.value) == (f"prompt_len: got {prompt_len}; GPT-2's n_positions=8 must hold the prompt and at "
-                                   f"least one new token: prompt_len <= 7")
+    with pytest.raises(inferctx.ConfigError) as info:
+        ReferenceDecoder(hf, batch_size=1, prompt_len=9, max_new_tokens=1, dtype="float32", ctx=CpuContext())
+    assert info.value.argument == "prompt_len"
+    assert str(info.value) == "prompt_len: got 9; GPT-2's n_positions=8 must hold the prompt: prompt_len <= 8"
     with pytest.raises(inferctx.ConfigError) as info:  # room left: the new tokens, and how many fit
-        ReferenceDecoder(hf, batch_size=1, prompt_len=6, max_new_tokens=3, dtype="float32", ctx=CpuContext())
+        ReferenceDecoder(hf, batch_size=1, prompt_len=6, max_new_tokens=4, dtype="float32", ctx=CpuContext())
     assert info.value.argument == "max_new_tokens"
-    assert str(info.value) == ("max_new_tokens: prompt_len + max_new_tokens = 9 passes GPT-2's n_positions=8; "
-                               "max_new_tokens <= 2 fits")
-    assert ReferenceDecoder(hf, batch_size=1, prompt_len=6, max_new_tokens=2, dtype="float32",
-                            ctx=CpuContext()).max_tokens == 8
+    assert str(info.value) == ("max_new_tokens: prompt_len + max_new_tokens - 1 = 9 positions fed (the last new "
+                               "token is not fed back) pass GPT-2's n_positions=8; max_new_tokens <= 3 fits")
+    prompt = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(3))
+    expected = hf.generate(prompt, max_new_tokens=1, do_sample=False, attention_mask=torch.ones_like(prompt),
+                           pad_token_id=0)[:, 8:]
+    dec = ReferenceDecoder(hf, batch_size=1, prompt_len=8, max_new_tokens=1, dtype="float32", ctx=CpuContext())
+    assert torch.equal(dec.generate(prompt).tokens, expected)
+    # The plan holds 9 positions, one more than GPT-2 has: step refuses the ninth before it runs.
+    with pytest.raises(inferctx.TokenLimitError) as info:
+        dec.step()
+    assert str(info.value) == ("step: GPT-2's learned positions end at n_positions=8, and this decoder's sequences "
+                               "have fed all 8; call prefill(prompt) or generate() for new ones")
+    assert (info.value.current, info.value.limit) == (8, 8)
+    dec = ReferenceDecoder(hf, batch_size=1, prompt_len=6, max_new_tokens=3, dtype="float32", ctx=CpuContext())
+    prompt = prompt[:, :6]
+    expected = hf.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt),
+                           pad_token_id=0)[:, 6:]
+    assert dec.max_tokens == 9 and torch.equal(dec.generate(prompt).tokens, expected)
 
 
-def test_demo_a_prompt_that_fills_gpt2s_positions_is_blamed_on_prompt_len(capsys):
-    code, out, err = run(capsys, "demo", "--model", "gpt2-tiny", "--prompt-len", "256", "--new-tokens", "1")
+def test_demo_gpt2s_positions_in_the_demos_flags(capsys):
+    code, out, err = run(capsys, "demo", "--model", "gpt2-tiny", "--prompt-len", "257", "--new-tokens", "1")
     assert code == 2 and out == ""
-    assert err == ("inferctx demo: --prompt-len: got 256; GPT-2's n_positions=256 must hold the prompt and at least "
-                   "one new token: --prompt-len <= 255\n"), err
+    assert err == ("inferctx demo: --prompt-len: got 257; GPT-2's n_positions=256 must hold the prompt: "
+                   "--prompt-len <= 256\n"), err
     code, out, err = run(capsys, "demo", "--model", "gpt2-tiny", "--prompt-len", "200", "--new-tokens", "100")
     assert code == 2 and out == ""
-    assert err == ("inferctx demo: --new-tokens: --prompt-len + --new-tokens = 300 passes GPT-2's n_positions=256; "
-                   "--new-tokens <= 56 fits\n"), err
+    assert err == ("inferctx demo: --new-tokens: --prompt-len + --new-tokens - 1 = 299 positions fed (the last new "
+                   "token is not fed back) pass GPT-2's n_positions=256; --new-tokens <= 57 fits\n"), err
 
 
 # -- the demo's flags -----------------------------------------------------------------------------

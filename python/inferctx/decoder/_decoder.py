@@ -140,8 +140,10 @@ class ReferenceDecoder:
     batch_size, prompt_len, max_new_tokens
         The plan: up to ``batch_size`` sequences of up to ``prompt_len`` prompt tokens, and
         ``prompt_len + max_new_tokens`` tokens in the KV cache (``max_out_tokens``). Integers (NumPy's
-        too). GPT-2 holds at most its ``n_positions`` tokens; Llama's ``max_position_embeddings``
-        bounds nothing here (default RoPE turns any position, in transformers as here).
+        too). GPT-2 feeds at most its ``n_positions`` positions: ``prompt_len + max_new_tokens - 1``
+        (the last new token is not fed back, as in transformers' ``generate``), and ``step`` stops
+        there; Llama's ``max_position_embeddings`` bounds nothing here (default RoPE turns any
+        position, in transformers as here).
     dtype
         'float16' (default), 'bfloat16' or 'float32': the weights', the workspace's and the logits'.
     ctx
@@ -550,6 +552,13 @@ class ReferenceDecoder:
             raise TokenLimitError(f"step: the KV cache is full: this decoder's sequences hold all {self.max_tokens} "
                                   f"positions (max_tokens); call prefill(prompt) or generate() for new ones",
                                   current=self._next, requested=1, limit=self.max_tokens)
+        if self.spec.arch == "gpt2" and self._next >= self.spec.max_positions:
+            # The plan holds prompt_len + max_new_tokens positions, one more than a generation feeds
+            # (its last token is not fed back), and GPT-2's learned positions may end before it.
+            limit = self.spec.max_positions
+            raise TokenLimitError(f"step: GPT-2's learned positions end at n_positions={limit}, and this "
+                                  f"decoder's sequences have fed all {limit}; call prefill(prompt) or generate() "
+                                  f"for new ones", current=self._next, requested=1, limit=limit)
         self.ctx.advance_tokens(1)  # raises TokenLimitError at max_token_length: nothing is launched
         with self._on_stream():
             if caller is not None and self._stream is not None:

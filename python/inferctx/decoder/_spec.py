@@ -304,17 +304,20 @@ def _check_request(spec: ModelSpec, batch_size: int, prompt_len: int, max_new_to
 
 
 def _check_positions(spec: ModelSpec, prompt_len: int, max_new_tokens: int) -> None:
-    """GPT-2's learned positions end at n_positions (``max_positions``): the prompt and the new
-    tokens must fit them. ConfigError naming prompt_len where the prompt alone leaves no position
-    for a new token, max_new_tokens (and the most that fits) otherwise. Llama has no such bound."""
+    """GPT-2's learned positions end at n_positions (``max_positions``): the positions a generation
+    feeds must fit them. The prompt feeds prompt_len, each new token but the last one more (the
+    last is not fed back), as in Hugging Face's ``generate``. ConfigError naming prompt_len where
+    the prompt alone passes the positions, max_new_tokens (and the most that fits) otherwise.
+    Llama has no such bound."""
     if spec.arch != "gpt2":
         return
     limit = spec.max_positions
-    total = prompt_len + max_new_tokens
-    if total <= limit:
+    fed = prompt_len + max_new_tokens - 1
+    if fed <= limit:
         return
-    if prompt_len >= limit:
-        raise ConfigError(f"prompt_len: got {prompt_len}; GPT-2's n_positions={limit} must hold the prompt and at "
-                          f"least one new token: prompt_len <= {limit - 1}", argument="prompt_len")
-    raise ConfigError(f"max_new_tokens: prompt_len + max_new_tokens = {total} passes GPT-2's n_positions={limit}; "
-                      f"max_new_tokens <= {limit - prompt_len} fits", argument="max_new_tokens")
+    if prompt_len > limit:
+        raise ConfigError(f"prompt_len: got {prompt_len}; GPT-2's n_positions={limit} must hold the prompt: "
+                          f"prompt_len <= {limit}", argument="prompt_len")
+    raise ConfigError(f"max_new_tokens: prompt_len + max_new_tokens - 1 = {fed} positions fed (the last new token "
+                      f"is not fed back) pass GPT-2's n_positions={limit}; max_new_tokens <= "
+                      f"{limit - prompt_len + 1} fits", argument="max_new_tokens")
