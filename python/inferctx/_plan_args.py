@@ -58,11 +58,11 @@ def _as_int(value: object, argument: str, *, minimum: int | None = None) -> int:
 
 
 def _as_device(value: object) -> int:
-    """A device ordinal: an integer in [0, 2**31), the C int the CUDA runtime takes (the words
-    of InferenceContext.instance's check)."""
+    """A device ordinal: an integer in [0, 2**31), the C int the CUDA runtime takes."""
     n = _index(value, "device")
     if not 0 <= n < DEVICE_LIMIT:
-        raise ConfigError(f"device: got {_brief(n)}; it must be a device ordinal >= 0", argument="device")
+        bound = ">= 0" if n < 0 else "below 2**31 (the CUDA runtime's int)"
+        raise ConfigError(f"device: got {_brief(n)}; it must be a device ordinal {bound}", argument="device")
     return n
 
 

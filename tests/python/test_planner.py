@@ -780,7 +780,7 @@ def test_a_model_shape_cannot_be_deleted_from():
     (-(2**63) - 1, "-9223372036854775809"),
 ])
 def test_a_device_ordinal_past_a_c_int_is_a_config_error(device, shown):
-    # Checked before any device is read, in InferenceContext.instance's words, for each entry point.
+    # Checked before any device is read, for each entry point.
     request = dict(prompt_len=1, min_out_tokens=1, device=device)
     for call in (lambda: plan_workspace("llama-2-7b", batch_size=1, max_out_tokens=8, **request),
                  lambda: inferctx.max_batch_size("llama-2-7b", max_out_tokens=8, **request),
@@ -788,7 +788,8 @@ def test_a_device_ordinal_past_a_c_int_is_a_config_error(device, shown):
         with pytest.raises(ConfigError) as info:
             call()
         assert info.value.argument == "device"
-        assert str(info.value) == f"device: got {shown}; it must be a device ordinal >= 0"
+        bound = ">= 0" if device < 0 else "below 2**31 (the CUDA runtime's int)"  # it said ">= 0" of 2**31
+        assert str(info.value) == f"device: got {shown}; it must be a device ordinal {bound}"
     from inferctx import planning
 
     with pytest.raises(ConfigError) as info:
@@ -801,7 +802,7 @@ def test_a_numpy_device_ordinal_past_a_c_int_is_a_config_error():
     with pytest.raises(ConfigError) as info:
         plan_workspace("llama-2-7b", batch_size=1, prompt_len=1, max_out_tokens=8, device=np.int64(2**31))
     assert info.value.argument == "device"
-    assert str(info.value) == "device: got 2147483648; it must be a device ordinal >= 0"
+    assert str(info.value) == "device: got 2147483648; it must be a device ordinal below 2**31 (the CUDA runtime's int)"
 
 
 def test_human_bytes_takes_integers_only():
