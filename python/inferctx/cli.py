@@ -196,9 +196,9 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--layers", metavar="N", help="number of layers")
     model.add_argument("--heads", metavar="N", help="number of attention heads")
     model.add_argument("--hidden", metavar="N", help="hidden size")
-    model.add_argument("--kv-heads", metavar="N", help="KV heads (GQA/MQA); default: the preset's, or --heads")
+    model.add_argument("--kv-heads", metavar="N", help="KV heads (GQA/MQA; exact policy); default: the preset's, or --heads")
     model.add_argument("--head-dim", metavar="N",
-                       help="size of one head; default: the preset's, or --hidden / --heads")
+                       help="size of one head (exact policy); default: the preset's, or --hidden / --heads")
     mem = plan.add_argument_group("memory (a GPU preset, explicit figures, or the real device)")
     mem.add_argument("--gpu", help="GPU preset, e.g. h100-80gb, h200")
     mem.add_argument("--free-gb", metavar="GIB", help="free memory now, in GiB")
@@ -428,6 +428,12 @@ def _weights(args: argparse.Namespace, has_preset: bool, memory: dict[str, Any])
 
 def _plan_kwargs(args: argparse.Namespace) -> tuple[ModelShape, dict[str, Any], dict[str, str]]:
     shape, model_name = _shape(args)
+    if args.policy == "deepspeed":  # DeepSpeed's sizing has no such figures: the flag would change nothing
+        for flag, given in (("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)):
+            if given is not None:
+                raise ConfigError(f"{flag}: applies to the exact policy only; the deepspeed policy sizes as "
+                                  f"DeepSpeed does: the KV cache by the query heads, and each head as the hidden "
+                                  f"size / the heads", argument=flag)
     memory, memory_name = _memory(args)
     kw: dict[str, Any] = dict(
         batch_size=_int(args.batch, "--batch", default=1),

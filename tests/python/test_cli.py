@@ -567,6 +567,12 @@ GPU = ["plan", "--preset", "llama-2-7b", "--gpu", "h200"]
     (["plan", "--layers", "32", "--heads", "32", "--hidden", "4100", "--free-gb", "8"],
      "--hidden=4100 is not divisible by --heads=32; give --head-dim"),
     (GPU + ["--policy", "deepspeed", "--memory-limit-gb", "3"], "--memory-limit-gb: applies to the exact policy"),
+    # DeepSpeed's sizing counts no KV heads and no head size of their own: the flags changed nothing
+    (GPU + ["--policy", "deepspeed", "--kv-heads", "8"], "ConfigError: --kv-heads: applies to the exact policy only; "
+     "the deepspeed policy sizes as DeepSpeed does: the KV cache by the query heads, and each head as the hidden "
+     "size / the heads"),
+    (["plan", "--layers", "32", "--heads", "32", "--hidden", "4096", "--free-gb", "40", "--policy", "deepspeed",
+      "--head-dim", "256"], "ConfigError: --head-dim: applies to the exact policy only"),
     (["plan", "--preset", "llama-2-7b", "--free-gb", "3", "--reserve-gb", "3"],
      "is not more than the reserve of 3.00 GiB (--reserve-gb)"),
     (["plan", "--layers", str(2**40), "--heads", "1", "--hidden", "128", "--free-gb", "8", "--batch",
