@@ -642,15 +642,19 @@ def _budget(p: WorkspacePlan, fraction: float | None) -> str:
 
 
 def _bytes_for(shape: ModelShape, kw: dict[str, Any], tokens: int) -> str:
-    """What `tokens` tokens need under kw's request, as the planner counts it."""
+    """The workspace that `tokens` tokens take under kw's request and policy, with memory set
+    aside: what the budget beside it in the answer is to hold. (The planner's refusal counts
+    DeepSpeed's minimum, its reserve and temp term, in what the request needs, while the budget
+    has it taken off already.)"""
+    aside = ("gpu", "device", "free_bytes", "total_bytes", "weights_bytes", "reserve_bytes",
+             "memory_limit_bytes", "memory_fraction")
+    request = {k: v for k, v in kw.items() if k not in aside}
     try:
-        plan_workspace(shape, **{**kw, "max_out_tokens": tokens, "min_out_tokens": tokens})
-    except WorkspaceOOMError as exc:
-        if exc.requested_bytes is not None:
-            return human_bytes(exc.requested_bytes)
-    except ConfigError:  # the byte count overflows
-        pass
-    return "more than 2**63 bytes"
+        p = plan_workspace(shape, **{**request, "max_out_tokens": tokens, "min_out_tokens": tokens},
+                           free_bytes=1 << 62, total_bytes=1 << 62, weights_bytes=0)
+    except (ConfigError, WorkspaceOOMError):  # the byte count overflows
+        return "more than 2**63 bytes"
+    return human_bytes(p.workspace_bytes)
 
 
 def _prefixed(answer: str, exc: WorkspaceOOMError) -> WorkspaceOOMError:

@@ -127,6 +127,23 @@ def test_max_batch_none_fits(capsys):
         "would fit: --max-tokens <= 2125\n")
 
 
+def test_max_batch_under_the_deepspeed_policy_counts_its_minimum_once(capsys):
+    # Under DeepSpeed's policy the planner's refusal counts DeepSpeed's minimum (the 500 MiB
+    # reserve and the temp term) in what the request needs, and the budget beside it has that
+    # minimum taken off already: the answer said 35.62 GiB, half a GiB more than a user must free.
+    # Llama-2-7B, one sequence of 20,000 tokens, fp16, in elements per token: activations
+    # 10 x 32 x 128 = 40,960, temp 32 x 20,000 = 640,000, cache 32 x 4096 x 2 = 262,144; x 2 B x
+    # 20,000 tokens = 37,724,160,000 B = 35.13 GiB, the workspace that the budget is to hold.
+    assert (40_960 + 640_000 + 262_144) * 2 * 20_000 == 37_724_160_000
+    assert f"{37_724_160_000 / 2**30:.2f}" == "35.13"
+    code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "30", "--max-tokens", "20000",
+                         "--max-batch", "--policy", "deepspeed")
+    assert code == 2 and out == ""
+    assert err.startswith("inferctx: WorkspaceOOMError: --max-batch: not even a batch of 1 holds all "
+                          "--max-tokens=20000 tokens: they need 35.13 GiB, and a budget of 29.51 GiB (free "
+                          "30.00 GiB - reserve 500.00 MiB - DeepSpeed's temp term"), err
+
+
 # Llama-2-7B, batch b, t tokens, fp16 (head 128, 32 heads, 32 layers): activations 10 x 32 x 128 x 2 = 81,920 B
 # and K + V of 64 x 32 x 128 x 2 = 524,288 B per token and sequence, attention scores 32 x t x 2 B per token
 # and sequence: b x t x (606,208 + 64 t) bytes, the scores rounded up to 256 bytes.
