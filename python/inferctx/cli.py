@@ -785,9 +785,11 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     for n, m in models.items():
         print(f"  {n:<16}{m.num_layers:>7}{m.num_heads:>7}{m.num_kv_heads:>5}{m.head_dim:>6}{m.hidden_dim:>8}"
               f"{m.num_params / 1e9:>9.2f}B  {m.source}")
-    print(f"gpus (free for planning: total less {presets.CUDA_OVERHEAD_MIB} MiB of CUDA overhead):")
+    print(f"gpus (free: what planning on the card counts, the total less {presets.CUDA_OVERHEAD_MIB} MiB of CUDA "
+          f"overhead):")
+    print(f"  {'name':<16}{'total':>12}{'free':>12}  description")
     for n, g in gpus.items():
-        print(f"  {n:<16}{human_bytes(g.total_bytes):>12}  {g.description}")
+        print(f"  {n:<16}{human_bytes(g.total_bytes):>12}{human_bytes(g.free_bytes):>12}  {g.description}")
     return 0
 
 

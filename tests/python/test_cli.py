@@ -520,6 +520,10 @@ def test_presets_listing(capsys):
     assert d["models"]["falcon-7b"]["num_kv_heads"] == 1 and d["models"]["gemma-7b"]["head_dim"] == 256
     assert d["models"]["llama-2-7b"]["num_params"] == 6_738_415_616
     assert d["gpus"]["h200"]["free_bytes"] == (143771 - 1244) * MIB
+    # The text gives both: the total, and what planning counts (it showed the total under a header
+    # that called the column free). H200: 143,771 MiB = 140.40 GiB; less 1244 MiB, 142,527 MiB = 139.19 GiB.
+    code, out, _ = run(capsys, "presets")
+    assert "  h200              140.40 GiB  139.19 GiB  NVIDIA H200 (141 GB HBM3e)\n" in out
 
 
 GPU = ["plan", "--preset", "llama-2-7b", "--gpu", "h200"]
