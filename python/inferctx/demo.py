@@ -114,8 +114,10 @@ def add_demo_parser(sub: Any) -> None:
     models = [*ALIASES, *PRESETS]
     d = sub.add_parser("demo", help="greedy decoding in the workspace with CUDA graphs (needs a GPU, torch, "
                        "transformers)", description=__doc__.split("\n\n")[1].replace("\n", " ").replace("``", ""))
+    # Names as `plan --preset` reads them: any case, '_' for '-'.
     d.add_argument("--model", default="gpt2", choices=models, metavar="NAME",
-                   help=f"{', '.join(models)} (default gpt2 = gpt2-small)")
+                   type=lambda text: text.strip().lower().replace("_", "-"),
+                   help=f"{', '.join(models)} (default gpt2 = gpt2-small; any case)")
     for flag, what in (("--layers", "layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
                        ("--kv-heads", "KV heads (llama)"), ("--vocab", "vocabulary size"),
                        ("--intermediate", "MLP size")):

@@ -104,6 +104,15 @@ def test_demo_gpt2s_positions_in_the_demos_flags(capsys):
 
 # -- the demo's flags -----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("given,name", [("GPT2", "gpt2"), ("Llama-Tiny", "llama-tiny"), ("GPT2_SMALL", "gpt2-small"),
+                                        (" gpt2-tiny", "gpt2-tiny")])
+def test_demo_model_takes_names_as_plan_preset_does(capsys, monkeypatch, given, name):
+    # `inferctx plan --preset LLAMA_2_7B` was taken and `inferctx demo --model GPT2` refused.
+    assert _demo_args(monkeypatch, "--model", given).model == name
+    code, out, err = run(capsys, "demo", "--model", "gpt3")
+    assert code == 2 and out == "" and "argument --model: invalid choice: 'gpt3'" in err
+
+
 @pytest.mark.parametrize("given,name", [("half", "float16"), ("f16", "float16"), ("FP16", "float16"),
                                         ("single", "float32"), ("f32", "float32"), ("BF16", "bfloat16"),
                                         ("float16", "float16"), ("bf16", "bfloat16")])
