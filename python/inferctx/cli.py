@@ -196,7 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--layers", metavar="N", help="number of layers")
     model.add_argument("--heads", metavar="N", help="number of attention heads")
     model.add_argument("--hidden", metavar="N", help="hidden size")
-    model.add_argument("--kv-heads", metavar="N", help="KV heads (GQA/MQA; exact policy); default: the preset's, or --heads")
+    model.add_argument("--kv-heads", metavar="N",
+                       help="KV heads (GQA/MQA; exact policy); default: the preset's, or --heads")
     model.add_argument("--head-dim", metavar="N",
                        help="size of one head (exact policy); default: the preset's, or --hidden / --heads")
     mem = plan.add_argument_group("memory (a GPU preset, explicit figures, or the real device)")
@@ -574,7 +575,7 @@ def _plot(rows: list[tuple[int, int, int, str]], path: str, kw: dict[str, Any], 
         raise _UsageError(f"--plot: could not write {_brief(path)}: {exc.strerror or exc}") from None
     except Exception as exc:  # a format whose writer needs a program not installed (.pgf: LaTeX)
         reason = _clip_words(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        if getattr(matplotlib, "rcParams", {}).get("text.usetex"):  # LaTeX for all text, by the user's matplotlibrc
+        if getattr(matplotlib, "rcParams", {}).get("text.usetex"):  # the user's matplotlibrc: LaTeX for all text
             remedy = ("text.usetex is on in your matplotlib settings: turn it off (matplotlibrc, "
                       "MATPLOTLIBRC) or install LaTeX")
         else:
@@ -651,7 +652,7 @@ def _bytes_for(shape: ModelShape, kw: dict[str, Any], tokens: int) -> str:
     request = {k: v for k, v in kw.items() if k not in aside}
     try:
         p = plan_workspace(shape, **{**request, "max_out_tokens": tokens, "min_out_tokens": tokens},
-                           free_bytes=1 << 62, total_bytes=1 << 62, weights_bytes=0)
+                           free_bytes=(1 << 63) - 1, total_bytes=(1 << 63) - 1, weights_bytes=0)
     except (ConfigError, WorkspaceOOMError):  # the byte count overflows
         return "more than 2**63 bytes"
     return human_bytes(p.workspace_bytes)
