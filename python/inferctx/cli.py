@@ -427,6 +427,17 @@ def _weights(args: argparse.Namespace, has_preset: bool, memory: dict[str, Any])
     return 0
 
 
+def _cli_dtype(text: str) -> str:
+    """--dtype's name, or a ConfigError offering the names a command line can give (the planner's
+    own message offers NumPy and torch dtypes too)."""
+    from .dtypes import VALID
+
+    try:
+        return dtype_name(text, "--dtype")
+    except ConfigError:
+        raise ConfigError(f"--dtype: got {_brief(text)}; valid: {VALID}", argument="--dtype") from None
+
+
 def _plan_kwargs(args: argparse.Namespace) -> tuple[ModelShape, dict[str, Any], dict[str, str]]:
     shape, model_name = _shape(args)
     if args.policy == "deepspeed":  # DeepSpeed's sizing has no such figures: the flag would change nothing
@@ -441,7 +452,7 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[ModelShape, dict[str, Any], 
         prompt_len=_int(args.prompt_len, "--prompt-len", default=1),
         max_out_tokens=_int(args.max_tokens, "--max-tokens", default=2048),
         min_out_tokens=_int(args.min_tokens, "--min-tokens", default=1),
-        dtype=args.dtype, mp_size=_int(args.mp_size, "--mp-size", default=1),
+        dtype=_cli_dtype(args.dtype), mp_size=_int(args.mp_size, "--mp-size", default=1),
         rank=_int(args.rank, "--rank", minimum=0, default=0),
         external_cache=args.external_cache, policy=args.policy,
         weights_bytes=_weights(args, args.preset is not None, memory),

@@ -535,6 +535,9 @@ GPU = ["plan", "--preset", "llama-2-7b", "--gpu", "h200"]
     (GPU + ["--batch", "x"], "--batch: got 'x'; it must be a whole number"),
     (GPU + ["--batch", "0"], "--batch: got 0; it must be >= 1"),
     (GPU + ["--dtype", "int4"], "--dtype: got 'int4'"),
+    # the names a command line can give, not "or the NumPy/torch dtype of one of them"
+    (GPU + ["--dtype", "torch.float16"], "ConfigError: --dtype: got 'torch.float16'; valid: 'float32' ('fp32'), "
+     "'float16' ('fp16', 'half') or 'bfloat16' ('bf16')\n"),
     (GPU + ["--policy", "x"], "argument --policy: invalid choice: 'x' (choose from 'exact', 'deepspeed')"),
     (["plan", "--layers", "32", "--gpu", "h200"], "give --preset NAME, or all of --layers, --heads and --hidden "
                                                   "(missing --heads, --hidden)"),
