@@ -49,6 +49,9 @@ class ModelShape:
         if kv < 1:
             raise ConfigError(f"num_kv_heads: got {kv}; it must be a positive integer dividing "
                               f"num_heads={heads}", argument="num_kv_heads")
+        if heads % kv:  # the planner's check, where the shape is made (it was met only when planning)
+            raise ConfigError(f"num_kv_heads: num_heads={heads} is not divisible by num_kv_heads={kv}; each KV "
+                              f"head must serve a whole group of query heads", argument="num_kv_heads")
         if head_dim is None:
             if hidden % heads:
                 raise ConfigError(f"hidden_dim: hidden_dim={hidden} is not divisible by num_heads={heads}; "

@@ -201,13 +201,21 @@ def test_hidden_not_divisible_by_heads_needs_head_dim():
     assert ModelShape(32, 32, 4100, head_dim=128).head_dim == 128
 
 
-@pytest.mark.parametrize("shape,argument", [
-    (ModelShape(32, 32, 4096, 5), "num_kv_heads"),  # 32 % 5
-])
-def test_divisibility_errors_come_from_the_planner(shape, argument):
+def test_kv_heads_that_do_not_divide_the_heads_are_refused_where_the_shape_is_made():
+    # As hidden_dim that the heads do not split is: the shape was made, and refused by the planner
+    # only, away from the line that made it.
+    message = ("num_kv_heads: num_heads=32 is not divisible by num_kv_heads=5; each KV head must serve a whole "
+               "group of query heads")
+    for make in (lambda: ModelShape(32, 32, 4096, 5), lambda: ModelShape(32, 32, 4096).replace(num_kv_heads=5),
+                 lambda: ModelShape(32, 8, 4096, num_kv_heads=16)):
+        with pytest.raises(ConfigError) as info:
+            make()
+        assert info.value.argument == "num_kv_heads"
+    assert str(info.value) == message.replace("=32", "=8").replace("=5", "=16")
     with pytest.raises(ConfigError) as info:
-        plan_workspace(shape, **BASE)
-    assert info.value.argument == argument
+        ModelShape(32, 32, 4096, 5)
+    assert str(info.value) == message
+    assert ModelShape(32, 32, 4096, 8).num_kv_heads == 8
 
 
 def test_kv_heads_not_divisible_by_mp():
