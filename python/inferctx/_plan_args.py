@@ -3,6 +3,7 @@ byte formatter of every message (inferctx.planning re-exports human_bytes)."""
 
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
 import operator
@@ -71,16 +72,23 @@ def _as_opt_int(value: object, argument: str, *, minimum: int | None = None) -> 
 
 
 def _as_fraction(value: object, argument: str = "memory_fraction") -> float | None:
-    """A number in (0, 1] (any real: float, int, numpy scalar, Fraction), or None."""
+    """A number in (0, 1], or None: any real (float, int, NumPy scalar, Fraction, Decimal), or a
+    0-d array of one (a 0-d torch tensor or NumPy array), as the integer arguments take 0-d
+    integer tensors."""
     if value is None:
         return None
     what = "it must be a number in (0, 1], a fraction of free memory"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{argument}: got {_brief(value)} ({type(value).__name__}); {what}",
-                          argument=argument)
+    scalar = (not isinstance(value, (bool, str, bytes))
+              and (isinstance(value, (numbers.Real, decimal.Decimal))
+                   or (getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
+                       and str(getattr(value, "dtype", "")) not in ("bool", "torch.bool"))))
+    if not scalar:
+        raise ConfigError(f"{argument}: got {_brief(value)}, of type {type(value).__name__}; it must be a real "
+                          f"number (a float, an int, a NumPy scalar or a 0-d tensor) in (0, 1], a fraction of "
+                          f"free memory", argument=argument)
     try:
-        f = float(value)
-    except (OverflowError, ValueError, TypeError):
+        f = float(value)  # type: ignore[arg-type]
+    except (OverflowError, ValueError, TypeError, RuntimeError):  # 2**1024; a complex 0-d array
         raise ConfigError(f"{argument}: got {_brief(value)}; {what}", argument=argument) from None
     if math.isnan(f) or not 0.0 < f <= 1.0:
         raise ConfigError(f"{argument}: got {_brief(value)}; {what}", argument=argument)

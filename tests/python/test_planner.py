@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fractions
 import pickle
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -199,6 +201,32 @@ def test_hidden_not_divisible_by_heads_needs_head_dim():
         ModelShape(32, 32, 4100)  # 4100 / 32 is not whole
     assert info.value.argument == "hidden_dim" and "head_dim" in str(info.value)
     assert ModelShape(32, 32, 4100, head_dim=128).head_dim == 128
+
+
+def test_memory_fraction_takes_the_real_scalars_that_the_integer_arguments_take():
+    # A 0-d torch tensor was taken as batch_size but refused as memory_fraction, with a message
+    # that said the value must be in (0, 1] (it was); Decimal too.
+    import decimal
+
+    np = pytest.importorskip("numpy")
+    base = dict(batch_size=1, prompt_len=1, max_out_tokens=8, free_bytes=8 * GIB, total_bytes=8 * GIB)
+    scalars = [0.5, decimal.Decimal("0.5"), np.float32(0.5), np.array(0.5), fractions.Fraction(1, 2)]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        scalars.append(torch.tensor(0.5))
+    for value in scalars:
+        assert plan_workspace("llama-2-7b", memory_fraction=value, **base).budget_bytes == 4 * GIB, value
+    not_numbers = [("0.5", "str"), (True, "bool"), (np.array([0.5]), "ndarray"), (np.array(True), "ndarray")]
+    for value, kind in not_numbers:
+        with pytest.raises(ConfigError) as info:
+            plan_workspace("llama-2-7b", memory_fraction=value, **base)
+        assert info.value.argument == "memory_fraction"
+        assert str(info.value).endswith(f", of type {kind}; it must be a real number (a float, an int, a NumPy "
+                                        f"scalar or a 0-d tensor) in (0, 1], a fraction of free memory"), value
+    for value in (decimal.Decimal("1.5"), decimal.Decimal("NaN"), np.array(0.0)):
+        with pytest.raises(ConfigError) as info:
+            plan_workspace("llama-2-7b", memory_fraction=value, **base)
+        assert str(info.value).endswith("; it must be a number in (0, 1], a fraction of free memory")
 
 
 def test_kv_heads_that_do_not_divide_the_heads_are_refused_where_the_shape_is_made():
