@@ -270,8 +270,22 @@ class WorkspacePlan:
             {"name": "attention_scores", "offset": self.attention_scores_offset,
              "size": self.attention_scores_bytes},
         ]
-        return {"request": request, "plan": answer,
-                "sources": {"memory": self.memory_source, "weights": self.weights_source}}
+        return {"request": request, "plan": answer, "sources": self._sources()}
+
+    def _sources(self) -> dict[str, Any]:
+        """Where the memory and weights figures come from: the words of memory_source and
+        weights_source, and the same as fields a program reads: memory_from ('gpu_preset',
+        'device' or 'given') with gpu_preset (its name) and device (an ordinal, or 'current'),
+        None where they do not apply; weights_from ('parameters', 'given' or 'none')."""
+        device = self._notes.get("device")
+        memory_from = ("gpu_preset" if "gpu_preset" in self._notes else "device" if device is not None
+                       else "given")
+        weights_from = ("parameters" if "weights" in self._notes else "given" if self.weights_bytes
+                        else "none")
+        return {"memory": self.memory_source, "weights": self.weights_source, "memory_from": memory_from,
+                "gpu_preset": self._notes.get("gpu_preset"),
+                "device": None if device is None else device if device == "current" else int(device),
+                "weights_from": weights_from}
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, WorkspacePlan):

@@ -100,6 +100,7 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
         free_bytes, total_bytes = preset.free_bytes, preset.total_bytes
         notes["memory"] = (f"GPU preset {preset.name}: total less {presets.CUDA_OVERHEAD_MIB} MiB for the "
                            f"CUDA driver, context and cuBLAS")
+        notes["gpu_preset"] = preset.name
     elif device is not None and free_bytes is not None and total_bytes is not None:
         # Both figures given: nothing would be read from the device. With one of them given, the
         # other is read from this device, as from the current one when device= is omitted.
@@ -144,6 +145,7 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
         fields["free_bytes"] = dev_free if free_bytes is None else fields["free_bytes"]
         fields["total_bytes"] = dev_total if total_bytes is None else fields["total_bytes"]
         notes.setdefault("memory", "device " + ("current" if device is None else str(device)) + ", read now")
+        notes.setdefault("device", "current" if device is None else str(_as_device(device)))
     return fields, notes
 
 

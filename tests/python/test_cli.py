@@ -48,6 +48,13 @@ def test_json_has_the_weights_and_the_memory_planned_against(capsys):
     assert code == 0 and d["request"]["weights_bytes"] == 13_476_831_232 and d["request"]["free_bytes"] == free
     assert d["plan"]["planned_free_bytes"] == free - 13_476_831_232
     assert d["sources"]["memory"].startswith("GPU preset h100-80gb")
+    # ... and as fields, which a program reads without parsing those words
+    assert {k: d["sources"][k] for k in ("memory_from", "gpu_preset", "device", "weights_from")} == {
+        "memory_from": "gpu_preset", "gpu_preset": "h100-80gb", "device": None, "weights_from": "parameters"}
+    code, out, _ = run(capsys, "plan", "--preset", "llama-2-7b", "--free-gb", "30", "--weights-gb", "2", "--json")
+    d = json.loads(out)
+    assert code == 0 and (d["sources"]["memory_from"], d["sources"]["gpu_preset"], d["sources"]["weights_from"],
+                          d["sources"]["weights"]) == ("given", None, "given", "given")
 
 
 @pytest.mark.parametrize("flags,weights", [
@@ -1250,7 +1257,9 @@ def test_device_0_is_a_device_the_command_reads(capsys, monkeypatch):
     monkeypatch.setattr(planning, "_device_memory", lambda device: (read.append(device), (8 * GIB, 8 * GIB))[1])
     code, out, err = run(capsys, "plan", "--preset", "llama-2-7b", "--device", "0", "--max-tokens", "64", "--json")
     assert code == 0, err
-    assert read == [0] and json.loads(out)["sources"]["memory"] == "device 0, read now"
+    sources = json.loads(out)["sources"]
+    assert read == [0] and sources["memory"] == "device 0, read now"
+    assert (sources["memory_from"], sources["device"], sources["gpu_preset"]) == ("device", 0, None)
 
 
 def test_total_gb_without_free_gb_is_one_line_exit_2(capsys):

@@ -330,7 +330,8 @@ def test_to_dict_and_str():
     assert d["plan"]["regions"][0] == {"name": "activations", "offset": 0, "size": p.activations_bytes}
     assert [r["name"] for r in d["plan"]["regions"]] == ["activations", "kv_cache", "attention_scores"]
     assert d["plan"]["regions"][1]["size"] == 32 * 2 * p.kv_tensor_bytes == p.kv_cache_bytes
-    assert d["sources"] == {"memory": "given", "weights": "none"} and d["request"]["weights_bytes"] == 0
+    assert d["sources"] == {"memory": "given", "weights": "none", "memory_from": "given", "gpu_preset": None,
+                            "device": None, "weights_from": "none"} and d["request"]["weights_bytes"] == 0
     text = str(p)
     assert "max tokens 1024" in text and "bound by max_out_tokens" in text and "kv_cache" in text
 
