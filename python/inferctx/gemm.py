@@ -306,10 +306,12 @@ def save_gemm_cache(path: Any, *, merge: bool = True) -> int:
     exclusive lock (``flock``) on the file's folder, so that processes saving into one file take
     turns and none loses another's entries (where the file system has no such locks, the merge
     goes on unlocked). The file is replaced atomically. Only a regular file is: a path naming a
-    FIFO, a device or a folder (or a link to one) raises ConfigError, and nothing is written.
+    FIFO, a device or a folder (or a link to one), or one in a folder that does not exist, raises
+    ConfigError, and nothing is written.
     """
     path = _cache_path(path)
     merge = _flag(merge, "merge")
+    _check_new_file_folder(path)  # as autotune_gemm's cache_file (it was a bare FileNotFoundError)
     exported = _core._gemm_cache_export(True)
     entries = [_entry_to_json(e) for e in exported]
     # A link (to a file on shared storage, say) stays a link: the file it names is replaced.

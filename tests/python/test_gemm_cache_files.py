@@ -70,6 +70,24 @@ def test_autotune_refuses_a_cache_file_in_a_missing_folder_before_tuning(tuner, 
     assert r["skipped"] is False and len(json.loads((tmp_path / "gemm.json").read_text())["entries"]) == 1
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_save_into_a_missing_folder_is_a_config_error_naming_path(tuner, tmp_path, monkeypatch, merge):
+    # It was a bare FileNotFoundError, where autotune_gemm's cache_file names the folder.
+    gm.autotune_gemm([(8, 16, 32)], "float16", progress=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plain").write_text("not a folder")
+    for name in (tmp_path / "missing" / "gemm.json", "missing/gemm.json", "plain/gemm.json"):
+        with pytest.raises(ConfigError) as info:
+            gm.save_gemm_cache(name, merge=merge)
+        assert info.value.argument == "path"
+        folder = os.path.dirname(os.path.realpath(name))
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        assert str(info.value) == (f"path: {os.fsdecode(name)} cannot be made: its folder {folder} {what}; create "
+                                   f"the folder first, or give a file name in an existing folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]
+    assert gm.save_gemm_cache("gemm.json", merge=merge) == 1
+
+
 def test_autotune_leaves_a_cache_file_that_holds_every_tuning_as_it_is(tuner, tmp_path, monkeypatch):
     # A cache file shipped with a deployment, on storage the process cannot write (a read-only
     # mount): every shape asked for is in it, so there is nothing to write, and autotune_gemm must
