@@ -160,12 +160,14 @@ def _require_gpu(torch: Any, device: int) -> None:
     from . import _core
     from .errors import NoCudaDeviceError
 
+    # What works without one: planning for a GPU by its preset.
+    instead = "; `inferctx plan --gpu PRESET` plans for one without it (`inferctx presets` lists them)"
     try:
         count = int(_core._device_count())
     except NoCudaDeviceError as exc:
-        raise DemoError(f"no CUDA device ({exc.name}): the demo decodes on a GPU") from None
+        raise DemoError(f"no CUDA device ({exc.name}): the demo decodes on a GPU{instead}") from None
     if count == 0 or not torch.cuda.is_available():
-        raise DemoError("no CUDA device: the demo decodes on a GPU (torch sees none)")
+        raise DemoError(f"no CUDA device: the demo decodes on a GPU (torch sees none){instead}")
     if not 0 <= device < count:
         raise DemoError(f"--device: got {device}; valid: 0..{count - 1}")
 

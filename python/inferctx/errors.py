@@ -81,7 +81,8 @@ _REMEDIES: dict[int, str] = {
     3: "; free device memory (for torch: drop tensors, then torch.cuda.empty_cache()) and call "
        "retake_workspace again",
     4: ", or InferenceContext.instance({device}) for that stream",
-    5: " Planning (plan_workspace, `inferctx plan --free-gb ... --total-gb ...`) works without one.",
+    5: " Planning (plan_workspace with gpu=, a GPU preset, or free_bytes= and total_bytes=; `inferctx "
+       "plan --gpu PRESET` or `--free-gb ... --total-gb ...`) works without one.",
     6: "; use bmm for batches",
     7: " (call .contiguous() first)",
 }

@@ -680,4 +680,43 @@ def test_demo_with_no_device_counted_says_so(monkeypatch):
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
     with pytest.raises(demo.DemoError) as info:
         demo._require_gpu(fake_torch, 0)
-    assert str(info.value) == "no CUDA device: the demo decodes on a GPU (torch sees none)"
+    assert str(info.value) == ("no CUDA device: the demo decodes on a GPU (torch sees none); `inferctx plan --gpu "
+                               "PRESET` plans for one without it (`inferctx presets` lists them)")
+
+
+def test_demo_without_a_cuda_driver_says_what_works_without_one(monkeypatch, capsys):
+    # The demo's refusal said only that it decodes on a GPU; it names what works without one.
+    from inferctx import _core
+    from inferctx.errors import NoCudaDeviceError
+
+    def no_driver():
+        raise NoCudaDeviceError("cudaErrorInsufficientDriver: no usable CUDA device or driver.",
+                                call="cudaGetDeviceCount", code=35, name="cudaErrorInsufficientDriver")
+
+    monkeypatch.setattr(_core, "_device_count", no_driver)
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    code, out, err = run(capsys, "demo", "--model", "gpt2-tiny")
+    assert code == 2 and out == ""
+    assert err == ("inferctx demo: no CUDA device (cudaErrorInsufficientDriver): the demo decodes on a GPU; "
+                   "`inferctx plan --gpu PRESET` plans for one without it (`inferctx presets` lists them)\n")
+
+
+def test_cpu_decoder_without_a_gpu_and_no_ctx_names_the_cpu_context(cpu, monkeypatch):
+    # ReferenceDecoder(model) with ctx=None on a machine without a GPU said only that no device
+    # was found; the decoder runs on the CPU with ctx=CpuContext(), which it names now.
+    from inferctx.context import InferenceContext
+    from inferctx.decoder import ReferenceDecoder, build_hf_model, model_spec
+    from inferctx.errors import NoCudaDeviceError
+
+    def no_device(device=None):
+        raise NoCudaDeviceError("cudaErrorNoDevice: no usable CUDA device or driver.", call="cudaGetDeviceCount",
+                                code=100, name="cudaErrorNoDevice")
+
+    monkeypatch.setattr(InferenceContext, "instance", staticmethod(no_device))
+    hf = build_hf_model(model_spec("gpt2-tiny"), seed=0)
+    with pytest.raises(NoCudaDeviceError) as info:
+        ReferenceDecoder(hf, batch_size=1, prompt_len=4, max_new_tokens=2, dtype="float32")
+    assert info.value.message == ("cudaErrorNoDevice: no usable CUDA device or driver. ReferenceDecoder decodes on "
+                                  "the CPU with ctx=CpuContext() (inferctx.decoder.CpuContext).")
+    assert (info.value.call, info.value.code, info.value.name) == ("cudaGetDeviceCount", 100, "cudaErrorNoDevice")

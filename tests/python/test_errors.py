@@ -116,8 +116,10 @@ def test_no_device_error_words_the_planning_remedy():
     got = _device_count_where("")
     assert got.get("type") == "NoCudaDeviceError", got
     assert got["error"].startswith(f"{got['name']}: ")
+    # (it offered only --free-gb ... --total-gb, not the GPU presets)
     assert got["error"].endswith("(in cudaGetDeviceCount); no usable CUDA device or driver. Planning "
-                                 "(plan_workspace, `inferctx plan --free-gb ... --total-gb ...`) works without one.")
+                                 "(plan_workspace with gpu=, a GPU preset, or free_bytes= and total_bytes=; "
+                                 "`inferctx plan --gpu PRESET` or `--free-gb ... --total-gb ...`) works without one.")
 
 
 @pytest.mark.parametrize("remedy, device, part", [
@@ -125,7 +127,7 @@ def test_no_device_error_words_the_planning_remedy():
     (2, None, "pass force=True to detach the workspace"),
     (3, None, "torch.cuda.empty_cache()) and call retake_workspace again"),
     (4, 3, "or InferenceContext.instance(3) for that stream"),
-    (5, None, "`inferctx plan --free-gb ... --total-gb ...`"),
+    (5, None, "`inferctx plan --gpu PRESET` or `--free-gb ... --total-gb ...`"),
 ])
 def test_remedies_are_worded_by_the_python_classes(remedy, device, part):
     e = errors.WorkspaceInUseError._from_core("release_workspace: 2 view(s) are alive", remedy, device,

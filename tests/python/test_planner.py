@@ -438,8 +438,9 @@ def test_no_device_message_has_one_full_stop_between_sentences_where_a_gpu_is_hi
     text, name, call = json.loads(done.stdout.strip().splitlines()[-1])
     assert call == "cudaGetDeviceCount" and name in ("cudaErrorNoDevice", "cudaErrorInsufficientDriver")
     assert text.startswith(f"{name}: ") and ".;" not in text and ". ." not in text
-    assert text.endswith("no usable CUDA device or driver. Planning (plan_workspace, `inferctx plan --free-gb ... "
-                         "--total-gb ...`) works without one. total_bytes was not given (only free_bytes), so it "
+    assert text.endswith("no usable CUDA device or driver. Planning (plan_workspace with gpu=, a GPU preset, or "
+                         "free_bytes= and total_bytes=; `inferctx plan --gpu PRESET` or `--free-gb ... --total-gb "
+                         "...`) works without one. total_bytes was not given (only free_bytes), so it "
                          "was to be read from the device: pass total_bytes= as well (or gpu=, a GPU preset, "
                          "instead of free_bytes=) to plan without a GPU.")
 

@@ -193,8 +193,14 @@ class ReferenceDecoder:
         else:
             if ctx is None:
                 from ..context import InferenceContext
+                from ..errors import NoCudaDeviceError
 
-                ctx = InferenceContext.instance(device)
+                try:
+                    ctx = InferenceContext.instance(device)
+                except NoCudaDeviceError as exc:  # what works without a GPU: this decoder, on the CPU
+                    raise NoCudaDeviceError(f"{exc.message} ReferenceDecoder decodes on the CPU with "
+                                            f"ctx=CpuContext() (inferctx.decoder.CpuContext).", call=exc.call,
+                                            code=exc.code, name=exc.name, device=exc.device) from None
             self.backend = GpuBackend(ctx)
         self.ctx = ctx
         self.device = self.backend.device
