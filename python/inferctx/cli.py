@@ -469,7 +469,11 @@ def _plan_kwargs(args: argparse.Namespace) -> tuple[ModelShape, dict[str, Any], 
 
 
 def _check_plot(path: str) -> None:
-    """Refuses, before anything is planned or printed, a --plot that could not be written."""
+    """Refuses, before anything is planned or printed, a --plot that cannot be written for a
+    reason known beforehand (no matplotlib, a format it does not write, a folder, a missing or
+    unwritable folder, a read-only file). What shows only as the figure is drawn or written (a
+    full disk, a path the system refuses, a writer or a text.usetex setting that needs LaTeX) is
+    one line naming --plot after the table, in _plot."""
     # matplotlib is optional (inferctx[plot]): its imports are unknown to a type checker without it
     # The plot is drawn with Agg whatever MPLBACKEND says; matplotlib refuses to load at all with
     # a backend it does not know there, so it is not shown that variable while it loads.
