@@ -335,6 +335,33 @@ def test_plot_of_a_shape_wraps_its_title_and_counts_whole_batches(capsys, tmp_pa
     assert ticks and all(float(t).is_integer() for t in ticks)
 
 
+def test_plot_title_wraps_and_both_axes_count_whole_numbers_as_the_cli_draws_it(capsys, tmp_path, fake_matplotlib,
+                                                                                 monkeypatch):
+    # What the test above sees in matplotlib's own drawing, seen in the calls (it runs without
+    # matplotlib): the title in two lines of at most 72 characters, whole-number ticks on both axes.
+    calls = []
+
+    class Axes:
+        def set_title(self, title, **style):
+            calls.append(("title", title))
+
+        def locator_params(self, **kw):
+            calls.append(("locator", kw))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(sys.modules["matplotlib.pyplot"], "subplots", lambda **k: (fake_matplotlib(), Axes()))
+    code, _, _ = run(capsys, "plan", "--layers", "32", "--heads", "32", "--hidden", "4096", "--free-gb", "30",
+                     "--dtype", "bf16", "--policy", "deepspeed", "--sweep-batch", "3", "--plot",
+                     str(tmp_path / "p.png"))
+    assert code == 0
+    assert calls == [("locator", {"axis": "both", "integer": True}),
+                     # 66 characters; with " tokens", 73
+                     ("title", "32 layers x 32 heads, hidden 4096 on 30.00 GiB free, bfloat16: max\n"
+                               "tokens by batch size (policy deepspeed)")]
+
+
 def test_a_matplotlibrc_asking_latex_for_text_is_one_line_naming_the_setting(capsys, tmp_path, fake_matplotlib,
                                                                             monkeypatch):
     # text.usetex in the user's matplotlibrc, and no LaTeX: matplotlib fails as it lays the figure

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fractions
 import pickle
-import sys
 
 import pytest
 from hypothesis import given, settings
@@ -211,9 +210,6 @@ def test_memory_fraction_takes_the_real_scalars_that_the_integer_arguments_take(
     np = pytest.importorskip("numpy")
     base = dict(batch_size=1, prompt_len=1, max_out_tokens=8, free_bytes=8 * GIB, total_bytes=8 * GIB)
     scalars = [0.5, decimal.Decimal("0.5"), np.float32(0.5), np.array(0.5), fractions.Fraction(1, 2)]
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        scalars.append(torch.tensor(0.5))
     for value in scalars:
         assert plan_workspace("llama-2-7b", memory_fraction=value, **base).budget_bytes == 4 * GIB, value
     not_numbers = [("0.5", "str"), (True, "bool"), (np.array([0.5]), "ndarray"), (np.array(True), "ndarray")]
@@ -227,6 +223,19 @@ def test_memory_fraction_takes_the_real_scalars_that_the_integer_arguments_take(
         with pytest.raises(ConfigError) as info:
             plan_workspace("llama-2-7b", memory_fraction=value, **base)
         assert str(info.value).endswith("; it must be a number in (0, 1], a fraction of free memory")
+
+
+def test_memory_fraction_takes_a_0_d_torch_tensor_as_batch_size_does():
+    torch = pytest.importorskip("torch")
+    base = dict(prompt_len=1, max_out_tokens=8, free_bytes=8 * GIB, total_bytes=8 * GIB)
+    plan = plan_workspace("llama-2-7b", batch_size=torch.tensor(2), memory_fraction=torch.tensor(0.5), **base)
+    assert (plan.batch_size, plan.budget_bytes) == (2, 4 * GIB)
+    for value, shown in ((torch.tensor([0.5]), "tensor([0.5000])"), (torch.tensor(True), "tensor(True)")):
+        with pytest.raises(ConfigError) as info:
+            plan_workspace("llama-2-7b", batch_size=1, memory_fraction=value, **base)
+        assert str(info.value) == (f"memory_fraction: got {shown}, of type Tensor; it must be a real number (a "
+                                   f"float, an int, a NumPy scalar or a 0-d tensor) in (0, 1], a fraction of free "
+                                   f"memory")
 
 
 def test_kv_heads_that_do_not_divide_the_heads_are_refused_where_the_shape_is_made():

@@ -66,8 +66,24 @@ def test_any_machine_each_file_goes_to_the_part_holding_its_middle_test():
 
 
 @pytest.mark.parametrize("value", ["3/2", "0/2", "1/0", "x", "1", "1/2/3", "-1/2", ""])
-def test_any_machine_a_bad_part_is_refused_by_name_before_anything_runs(small_suite, value):
+def test_any_machine_a_bad_part_is_refused_by_name_before_anything_runs(small_suite, tmp_path, value):
+    # Before anything is collected: a test module that leaves a file when it is imported leaves none.
+    (tmp_path / "test_f.py").write_text("import pathlib\npathlib.Path(__file__).with_name('imported').touch()\n")
     done = small_suite(f"--suite-part={value}")  # one word: argparse takes "-1/2" for an option
     assert done.returncode == 4, done.stdout + done.stderr  # pytest's usage error
     assert f"--suite-part {value!r}: give K/N, two whole numbers with 1 <= K <= N" in done.stderr
     assert "passed" not in done.stdout
+    assert not (tmp_path / "imported").exists()  # refused at configure time, not at collection
+
+
+def test_any_machine_the_suites_own_conftest_applies_the_parts():
+    # The tests above load suite_parts as a plugin of their own; this one runs the suite's own
+    # conftest.py, which must apply the parts (with its hook emptied, every part ran everything).
+    # test_readme_gpu.py holds 2 tests and test_concurrency.py 3 (5 in all): the first's middle,
+    # test 1, lies in part 1 of 2 (tests 0..2.5), the second's, 3.5, in part 2.
+    for part, collected, deselected in (("1/2", 2, 3), ("2/2", 3, 2)):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
+                               "--suite-part", part, "test_readme_gpu.py", "test_concurrency.py"],
+                              capture_output=True, text=True, cwd=HERE, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"{collected}/5 tests collected ({deselected} deselected)" in done.stdout, done.stdout
