@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__, presets
 from .demo import DemoError, _whole_parts, add_demo_parser, run_demo
-from .dtypes import dtype_name
+from .dtypes import VALID, dtype_name
 from .errors import ConfigError, InferCtxError, NoCudaDeviceError, WorkspaceOOMError, _brief
 from .planning import (ModelShape, WorkspacePlan, human_bytes, max_batch_size, max_out_tokens_for,
                        plan_workspace)
@@ -430,8 +430,6 @@ def _weights(args: argparse.Namespace, has_preset: bool, memory: dict[str, Any])
 def _cli_dtype(text: str) -> str:
     """--dtype's name, or a ConfigError offering the names a command line can give (the planner's
     own message offers NumPy and torch dtypes too)."""
-    from .dtypes import VALID
-
     try:
         return dtype_name(text, "--dtype")
     except ConfigError:

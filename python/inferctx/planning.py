@@ -123,8 +123,7 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
                              weights_bytes=0 if weights_bytes == "auto" else weights_bytes,
                              reserve_bytes=reserve_bytes, memory_limit_bytes=memory_limit_bytes,
                              memory_fraction=memory_fraction)
-    if device is not None:
-        _as_device(device)
+    ordinal = None if device is None else _as_device(device)  # checked once, named in the notes
     _plan._check(fields)  # argument errors before any device is read
     _check_given_memory(fields, free_given=free_bytes is not None, total_given=total_bytes is not None)
     if weights_bytes == "auto":
@@ -136,7 +135,7 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
         notes["weights"] = f"{s.num_params:,} parameters x {_elem_size(fields)} B" + (f" / mp {mp}" if mp > 1 else "")
     if read_device:
         try:
-            dev_free, dev_total = _device_memory(device)
+            dev_free, dev_total = _device_memory(ordinal)
         except NoCudaDeviceError as exc:
             raise NoCudaDeviceError(
                 _joined(exc.message, _missing_figures(free_bytes is None, total_bytes is None)),
@@ -144,8 +143,8 @@ def _resolve(shape: object, *, batch_size: object, prompt_len: object, max_out_t
             ) from None
         fields["free_bytes"] = dev_free if free_bytes is None else fields["free_bytes"]
         fields["total_bytes"] = dev_total if total_bytes is None else fields["total_bytes"]
-        notes.setdefault("memory", "device " + ("current" if device is None else str(device)) + ", read now")
-        notes.setdefault("device", "current" if device is None else str(_as_device(device)))
+        notes.setdefault("memory", "device " + ("current" if ordinal is None else str(ordinal)) + ", read now")
+        notes.setdefault("device", "current" if ordinal is None else str(ordinal))
     return fields, notes
 
 
